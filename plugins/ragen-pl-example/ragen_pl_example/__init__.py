@@ -1,0 +1,1 @@
+"""An example third-party ragen-pl plugin distribution."""

@@ -1,0 +1,349 @@
+"""Advantage estimators: pure functions plus thin configurable classes (entry-point group ``ragen_pl.advantages``).
+
+Conventions (see :mod:`ragen_pl.types`): ``(B, T)`` tensors are token-aligned, ``mask`` is the loss mask (true on
+sampled tokens). Positions outside the mask are *skipped*, not treated as time steps: in a multi-turn trajectory
+the environment's tokens sit between two turns, and the next state value of a turn's last sampled token is the
+value at the first sampled token of the next turn. Estimators return zeros outside the mask.
+
+Owned by :class:`ragen_pl.module.RagenModule`, because GAE needs the critic's values.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from ragen_pl.types import TrajectoryBatch
+
+__all__ = [
+    "GAE",
+    "GRPO",
+    "RLOO",
+    "Advantage",
+    "BiLevelGAE",
+    "ReinforcePP",
+    "bilevel_gae",
+    "gae",
+    "group_stats",
+    "grpo",
+    "masked_mean",
+    "masked_whiten",
+    "reinforce_pp",
+    "rloo",
+]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is true (0 where nothing is valid)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` to zero mean and unit (unbiased) variance over the valid positions; zeros elsewhere.
+
+    The same rule as verl's ``masked_whiten``, which RAGEN uses.
+    """
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = masked_mean((x - mean) ** 2, mask) * (n / (n - 1).clamp(min=1))
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-trajectory mean, unbiased std and size of its group. All three are (B,).
+
+    Groups of one have std 0.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    G = int(inverse.max()) + 1 if inverse.numel() else 0
+    scores = scores.to(torch.float64)  # the sums of squares below lose precision in float32
+    count = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros_like(count).index_add_(0, inverse, scores)
+    mean = total / count
+    sq = torch.zeros_like(count).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    return mean[inverse], std[inverse], count[inverse]
+
+
+def _check_unit(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"`{name}` must be in [0, 1], got {value}")
+
+
+def _check_masks(rewards: Tensor, mask: Tensor, values: Tensor | None = None) -> None:
+    if rewards.dim() != 2 or mask.shape != rewards.shape or (values is not None and values.shape != rewards.shape):
+        shapes = {"rewards": tuple(rewards.shape), "mask": tuple(mask.shape)}
+        if values is not None:
+            shapes["values"] = tuple(values.shape)
+        raise ValueError(f"rewards, mask (and values) must share one (B, T) shape, got {shapes}")
+
+
+# ---------------------------------------------------------------------------------------- pure math
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Token-level generalised advantage estimation over a masked multi-turn sequence.
+
+    ``delta_t = r_t + gamma * V(next valid token) - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
+    "next" skips positions outside ``mask`` and the value after the last valid token is 0 (the episode ends).
+    Rewards outside ``mask`` are ignored.
+
+    Returns:
+        ``(advantages, returns)``, both (B, T), zero outside ``mask``; ``returns = advantages + values``.
+    """
+    _check_masks(rewards, mask, values)
+    if gamma < 0 or lam < 0:
+        raise ValueError(f"`gamma` and `lam` must be >= 0, got gamma={gamma}, lam={lam}")
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(B)
+    last_gae = rewards.new_zeros(B)
+    for t in reversed(range(T)):
+        valid = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        current = delta + gamma * lam * last_gae
+        advantages[:, t] = torch.where(valid, current, 0.0)
+        last_gae = torch.where(valid, current, last_gae)
+        next_value = torch.where(valid, values[:, t], next_value)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def bilevel_gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    turn_ends: Tensor,
+    gamma_turn: float = 0.95,
+    lam_turn: float = 1.0,
+    gamma_token: float = 1.0,
+    lam_token: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Bi-level GAE (RAGEN's ``bi_level_gae``): GAE across turns, then GAE inside each turn.
+
+    1. Turn level: on each turn's last sampled token ``e_k``,
+       ``delta_k = r(e_k) + gamma_turn * V(e_{k+1}) - V(e_k)``, ``A_k = delta_k + gamma_turn * lam_turn * A_{k+1}``,
+       and the turn's return is ``G_k = A_k + V(e_k)`` (``V(e_{K+1}) = 0``).
+    2. Token level, inside each turn: the turn ends as if the episode did, with reward ``G_k`` on ``e_k`` and
+       no bootstrap, so ``A(e_k) = G_k - V(e_k)``; earlier tokens use ordinary GAE with ``gamma_token`` and
+       ``lam_token`` and their own token rewards.
+
+    Returns:
+        ``(advantages, returns)``, both (B, T), zero outside ``mask``.
+    """
+    _check_masks(rewards, mask, values)
+    if turn_ends.shape != mask.shape or bool((turn_ends & ~mask).any()):
+        raise ValueError("`turn_ends` must have the mask's shape and lie on sampled tokens")
+    for name, v in (("gamma_turn", gamma_turn), ("lam_turn", lam_turn), ("gamma_token", gamma_token),
+                    ("lam_token", lam_token)):
+        if v < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {v}")
+    B, T = rewards.shape
+    turn_returns = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(B)
+    last_gae = rewards.new_zeros(B)
+    for t in reversed(range(T)):
+        end = turn_ends[:, t]
+        delta = rewards[:, t] + gamma_turn * next_value - values[:, t]
+        current = delta + gamma_turn * lam_turn * last_gae
+        turn_returns[:, t] = torch.where(end, current + values[:, t], 0.0)
+        last_gae = torch.where(end, current, last_gae)
+        next_value = torch.where(end, values[:, t], next_value)
+
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(B)
+    last_gae = rewards.new_zeros(B)
+    for t in reversed(range(T)):
+        valid, end = mask[:, t], turn_ends[:, t]
+        reward = torch.where(end, turn_returns[:, t], rewards[:, t])
+        bootstrap = torch.where(end, 0.0, next_value)
+        carry = torch.where(end, 0.0, last_gae)
+        current = reward + gamma_token * bootstrap - values[:, t] + gamma_token * lam_token * carry
+        advantages[:, t] = torch.where(valid, current, 0.0)
+        last_gae = torch.where(valid, current, last_gae)
+        next_value = torch.where(valid, values[:, t], next_value)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def grpo(
+    scores: Tensor,
+    group_ids: Tensor,
+    scale: Literal["group", "batch", "none"] = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative trajectory advantage: ``(score - group mean) / (std + eps)``.
+
+    ``scale="group"`` divides by the group's unbiased std (GRPO), ``"batch"`` by the std of all scores,
+    ``"none"`` does not divide (Dr. GRPO). A group of one gets mean 0 and std 1, as in verl, which RAGEN uses.
+
+    Returns:
+        (B,) advantages, one per trajectory.
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"`scale` must be one of 'group', 'batch', 'none', got {scale!r}")
+    mean, std, count = group_stats(scores, group_ids)
+    single = count == 1
+    mean = torch.where(single, 0.0, mean)
+    if scale == "group":
+        denom = torch.where(single, 1.0, std) + eps
+    elif scale == "batch":
+        denom = scores.to(torch.float64).std() + eps if scores.numel() > 1 else scores.new_ones((), dtype=torch.float64)
+    else:
+        denom = torch.ones_like(mean)
+    return ((scores - mean) / denom).to(scores.dtype)
+
+
+def rloo(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """REINFORCE leave-one-out: ``score_i - mean of the other scores in its group`` = ``n/(n-1) (s_i - mean)``.
+
+    A group of one keeps its raw score (verl's rule).
+
+    Returns:
+        (B,) advantages.
+    """
+    mean, _, count = group_stats(scores, group_ids)
+    factor = torch.where(count > 1, count / (count - 1).clamp(min=1), 1.0)
+    baseline = torch.where(count > 1, mean, 0.0)
+    return (factor * (scores - baseline)).to(scores.dtype)
+
+
+def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++: discounted reward-to-go over valid tokens, whitened over the batch's valid tokens.
+
+    Returns:
+        (B, T) advantages, zero outside ``mask``.
+    """
+    _check_masks(rewards, mask)
+    if gamma < 0:
+        raise ValueError(f"`gamma` must be >= 0, got {gamma}")
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = mask[:, t]
+        running = torch.where(valid, rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid, running, 0.0)
+    return masked_whiten(returns, mask)
+
+
+# ------------------------------------------------------------------------------------------ plugins
+class Advantage(ABC):
+    """Base class of advantage estimators (entry-point group ``ragen_pl.advantages``)."""
+
+    #: Whether the estimator reads ``batch.values``; the module builds a critic only when it does.
+    needs_critic: ClassVar[bool] = False
+
+    @abstractmethod
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor | None]:
+        """Return ``(advantages, returns)``: (B, T) each, zero outside the loss mask; returns None without critic."""
+
+
+def _values_of(batch: TrajectoryBatch, name: str) -> Tensor:
+    if batch.values is None:
+        raise ValueError(f"{name} needs critic values (`batch.values`), but the batch has none")
+    return batch.values
+
+
+class GAE(Advantage):
+    """Token-level GAE with a critic (PPO). The paper uses gamma = lambda = 1."""
+
+    needs_critic = True
+
+    def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
+        """
+        Args:
+            gamma: discount per sampled token.
+            lam: GAE lambda.
+            whiten: normalise advantages to zero mean and unit variance over the batch's sampled tokens.
+        """
+        _check_unit("gamma", gamma)
+        _check_unit("lam", lam)
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor]:
+        adv, ret = gae(batch.rewards, _values_of(batch, "GAE"), batch.loss_mask, self.gamma, self.lam)
+        return (masked_whiten(adv, batch.loss_mask) if self.whiten else adv), ret
+
+
+class BiLevelGAE(Advantage):
+    """Turn-level GAE across turns and token-level GAE inside a turn (the paper's bi-level variant)."""
+
+    needs_critic = True
+
+    def __init__(
+        self,
+        gamma_turn: float = 0.95,
+        lam_turn: float = 1.0,
+        gamma_token: float = 1.0,
+        lam_token: float = 1.0,
+        whiten: bool = True,
+    ) -> None:
+        """
+        Args:
+            gamma_turn: discount across turns (0.95 in the paper).
+            lam_turn: GAE lambda across turns.
+            gamma_token: discount across tokens inside a turn (1.0 in the paper).
+            lam_token: GAE lambda inside a turn.
+            whiten: normalise advantages over the batch's sampled tokens.
+        """
+        for name, v in (("gamma_turn", gamma_turn), ("lam_turn", lam_turn), ("gamma_token", gamma_token),
+                        ("lam_token", lam_token)):
+            _check_unit(name, v)
+        self.gamma_turn, self.lam_turn = gamma_turn, lam_turn
+        self.gamma_token, self.lam_token, self.whiten = gamma_token, lam_token, whiten
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor]:
+        adv, ret = bilevel_gae(
+            batch.rewards, _values_of(batch, "BiLevelGAE"), batch.loss_mask, batch.turn_ends,
+            self.gamma_turn, self.lam_turn, self.gamma_token, self.lam_token,
+        )
+        return (masked_whiten(adv, batch.loss_mask) if self.whiten else adv), ret
+
+
+class GRPO(Advantage):
+    """Group-normalised trajectory reward, broadcast to the trajectory's sampled tokens (no critic)."""
+
+    def __init__(self, scale: Literal["group", "batch", "none"] = "group", eps: float = 1e-6) -> None:
+        """
+        Args:
+            scale: divide by the group's std (``group``, GRPO), the batch's std (``batch``), or not at all
+                (``none``, the Dr. GRPO variant).
+            eps: added to the std before dividing.
+        """
+        if scale not in ("group", "batch", "none"):
+            raise ValueError(f"`scale` must be one of 'group', 'batch', 'none', got {scale!r}")
+        self.scale, self.eps = scale, eps
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
+        adv = grpo(batch.scores, batch.group_ids, self.scale, self.eps)  # (B,)
+        return adv[:, None] * batch.loss_mask, None
+
+
+class RLOO(Advantage):
+    """REINFORCE with a leave-one-out group baseline (no critic)."""
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
+        return rloo(batch.scores, batch.group_ids)[:, None] * batch.loss_mask, None
+
+
+class ReinforcePP(Advantage):
+    """REINFORCE++: token-level reward-to-go, normalised over the batch (no critic)."""
+
+    def __init__(self, gamma: float = 1.0) -> None:
+        """
+        Args:
+            gamma: discount per sampled token.
+        """
+        _check_unit("gamma", gamma)
+        self.gamma = gamma
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
+        return reinforce_pp(batch.rewards, batch.loss_mask, self.gamma), None

@@ -1,0 +1,104 @@
+"""The text-environment interface every env plugin implements.
+
+One ``Env`` instance plays one episode at a time. The rollout collector (not the env) owns prompts, action parsing
+and format penalties; an env only knows its rules:
+
+* ``reset(seed)`` starts an episode and returns the observation text. The same seed gives the same initial state,
+  byte for byte, in any process.
+* ``step(action)`` takes one action string and returns ``(observation, reward, done, info)``. ``info`` carries at
+  least ``success``, ``action_is_valid`` and ``action_is_effective``. An invalid action (an unknown name, or a
+  malformed expression in a language env) changes nothing, returns reward 0 and ``action_is_valid=False``; it
+  never raises.
+* ``instructions`` is the text a prompt shows once: rules, symbol legend, action list.
+
+Discrete envs list their action names in ``actions`` and match them case-insensitively; language envs set
+``actions = None`` and take free text.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, TypedDict
+
+
+class StepInfo(TypedDict, total=False):
+    success: bool
+    action_is_valid: bool
+    action_is_effective: bool
+
+
+StepResult = tuple[str, float, bool, dict[str, Any]]
+
+
+class Env(ABC):
+    """Base class of text environments (entry-point group ``ragen_pl.envs``)."""
+
+    #: Action names for discrete envs (matched case-insensitively); ``None`` for free-text envs. A class attribute
+    #: for fixed action sets; set it on the instance when the names are configurable (Bandit's arms).
+    actions: tuple[str, ...] | None = None
+
+    def __init__(self, tag: str | None = None) -> None:
+        """
+        Args:
+            tag: name used to group metrics and rewards by env (defaults to the class name). Variants of one env
+                (say Sokoban 8x8) get their own tag.
+        """
+        self.tag = tag or type(self).__name__
+
+    @abstractmethod
+    def reset(self, seed: int) -> str:
+        """Start an episode from the initial state determined by ``seed``; return the observation."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one action; return ``(observation, reward, done, info)``."""
+
+    @property
+    @abstractmethod
+    def instructions(self) -> str:
+        """Rules, symbol legend and action list, shown once at the start of a prompt."""
+
+    @abstractmethod
+    def render(self) -> str:
+        """The current state as text."""
+
+    def expert_action(self) -> str:
+        """The next action of a strong policy (a solver, or the known best arm), for demos and baselines."""
+        raise NotImplementedError(f"{type(self).__name__} ships no expert policy")
+
+    def parse_action(self, text: str) -> int | None:
+        """Index of a discrete action name (case-insensitive, surrounding whitespace ignored), else ``None``."""
+        if self.actions is None:
+            raise TypeError(f"{type(self).__name__} takes free text; it has no named actions")
+        lookup = _action_lookup(self.actions)
+        return lookup.get(text.strip().lower())
+
+    @staticmethod
+    def invalid(observation: str) -> StepResult:
+        """The result of an action that is not valid: nothing changes, no reward."""
+        return observation, 0.0, False, {"success": False, "action_is_valid": False, "action_is_effective": False}
+
+
+_LOOKUPS: dict[tuple[str, ...], dict[str, int]] = {}
+
+
+def _action_lookup(actions: tuple[str, ...]) -> dict[str, int]:
+    table = _LOOKUPS.get(actions)
+    if table is None:
+        table = _LOOKUPS[actions] = {name.lower(): i for i, name in enumerate(actions)}
+    return table
+
+
+def check_range(name: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    """Raise ``ValueError`` naming the field when ``value`` is outside ``[low, high]``."""
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value!r}")
+
+
+def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the field unless ``value`` is an int within bounds."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
+    check_range(name, value, low, high)

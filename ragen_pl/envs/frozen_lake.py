@@ -1,0 +1,202 @@
+"""FrozenLake (multi-turn, stochastic), as in RAGEN / Gymnasium.
+
+A square map; each tile is frozen with probability ``frozen_prob`` (0.8), the rest are holes; the start is the
+top-left corner and the goal the bottom-right one, and maps are redrawn until a path joins them (Gymnasium's
+``generate_random_map``). With ``slippery`` the intended move happens with probability 1/3 and each perpendicular
+move with 1/3 (Gymnasium's rule). Reward 1 on reaching the goal; the episode ends at the goal or in a hole.
+
+Action order is Gymnasium's (Left, Down, Right, Up), so the two perpendicular moves of action ``a`` are
+``(a - 1) % 4`` and ``(a + 1) % 4``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from ragen_pl.envs.base import Env, StepResult, check_int, check_range
+
+_MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up
+
+SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X", "player_on_goal": "√"}
+
+
+class FrozenLake(Env):
+    actions = ("Left", "Down", "Right", "Up")
+
+    def __init__(
+        self,
+        size: int = 4,
+        frozen_prob: float = 0.8,
+        slippery: bool = True,
+        max_steps: int = 100,
+        tag: str | None = None,
+    ) -> None:
+        """
+        Args:
+            size: the map is ``size`` x ``size`` tiles.
+            frozen_prob: probability that a tile (other than start and goal) is frozen rather than a hole.
+            slippery: the intended move happens with probability 1/3, each perpendicular one with 1/3.
+            max_steps: the episode ends after this many env steps.
+            tag: metrics tag (default ``FrozenLake``).
+        """
+        super().__init__(tag)
+        check_int("size", size, 2, 64)
+        check_range("frozen_prob", frozen_prob, 0.0, 1.0)
+        if frozen_prob < 0.5:
+            raise ValueError(f"`frozen_prob` must be >= 0.5 so that a map with a path can be drawn, got {frozen_prob}")
+        if not isinstance(slippery, bool):
+            raise TypeError(f"`slippery` must be true or false, got {slippery!r}")
+        check_int("max_steps", max_steps, 1)
+        self.size, self.frozen_prob, self.slippery, self.max_steps = size, float(frozen_prob), slippery, max_steps
+        self.holes: frozenset[tuple[int, int]] = frozenset()
+        self.goal = (size - 1, size - 1)
+        self.pos = (0, 0)
+        self.steps = 0
+        self._rng = random.Random(0)
+        self._policy: dict[tuple[int, int], str] | None = None
+
+    @property
+    def instructions(self) -> str:
+        s = SYMBOLS
+        slip = (
+            " The ice is slippery: you may move perpendicular to the direction you chose." if self.slippery else ""
+        )
+        return (
+            "You are walking on a frozen lake. Reach the goal without falling into a hole." + slip + "\n"
+            f"Symbols: {s['player']} player, {s['frozen']} frozen, {s['hole']} hole, {s['goal']} goal, "
+            f"{s['player_in_hole']} player in hole, {s['player_on_goal']} player on goal.\n"
+            "Actions: Left, Down, Right, Up."
+        )
+
+    def reset(self, seed: int) -> str:
+        self._rng = random.Random(seed)
+        n = self.size
+        while True:
+            holes = frozenset(
+                (r, c)
+                for r in range(n)
+                for c in range(n)
+                if (r, c) not in ((0, 0), self.goal) and self._rng.random() >= self.frozen_prob
+            )
+            if _path(n, holes, (0, 0), self.goal) is not None:
+                break
+        self.holes, self.pos, self.steps = holes, (0, 0), 0
+        self._policy = None
+        return self.render()
+
+    def render(self) -> str:
+        s = SYMBOLS
+        rows = []
+        for r in range(self.size):
+            row = []
+            for c in range(self.size):
+                cell = (r, c)
+                if cell == self.pos:
+                    row.append(
+                        s["player_in_hole"] if cell in self.holes else s["player_on_goal"] if cell == self.goal
+                        else s["player"]
+                    )
+                else:
+                    row.append(s["hole"] if cell in self.holes else s["goal"] if cell == self.goal else s["frozen"])
+            rows.append("".join(row))
+        return "\n".join(rows)
+
+    def expert_action(self) -> str:
+        if self._policy is None:
+            self._policy = value_iteration(self)[1]
+        return self._policy.get(self.pos, "Left")
+
+    @property
+    def finished(self) -> bool:
+        return self.pos == self.goal or self.pos in self.holes or self.steps >= self.max_steps
+
+    def step(self, action: str) -> StepResult:
+        index = self.parse_action(action)
+        if index is None or self.finished:
+            return self.invalid(self.render())
+        if self.slippery:
+            index = (index + self._rng.choice((-1, 0, 1))) % 4
+        dr, dc = _MOVES[index]
+        r, c = self.pos
+        new = (min(max(r + dr, 0), self.size - 1), min(max(c + dc, 0), self.size - 1))
+        moved = new != self.pos
+        self.pos = new
+        self.steps += 1
+        success = new == self.goal
+        done = success or new in self.holes or self.steps >= self.max_steps
+        info = {"success": success, "action_is_valid": True, "action_is_effective": moved}
+        return self.render(), float(success), done, info
+
+
+def _neighbours(n: int, cell: tuple[int, int]):
+    r, c = cell
+    for dr, dc in _MOVES:
+        rr, cc = r + dr, c + dc
+        if 0 <= rr < n and 0 <= cc < n:
+            yield rr, cc
+
+
+def _path(n: int, holes: frozenset, start: tuple[int, int], goal: tuple[int, int]) -> list[tuple[int, int]] | None:
+    parents: dict[tuple[int, int], tuple[int, int] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        cell = queue.popleft()
+        if cell == goal:
+            path = [cell]
+            while parents[path[-1]] is not None:
+                path.append(parents[path[-1]])  # type: ignore[arg-type]
+            return path[::-1]
+        for nxt in _neighbours(n, cell):
+            if nxt not in holes and nxt not in parents:
+                parents[nxt] = cell
+                queue.append(nxt)
+    return None
+
+
+def shortest_path(env: FrozenLake) -> list[str] | None:
+    """Action names of a shortest hole-free path from the current position to the goal (no slipping assumed)."""
+    cells = _path(env.size, env.holes, env.pos, env.goal)
+    if cells is None:
+        return None
+    names = []
+    for (r0, c0), (r1, c1) in zip(cells, cells[1:]):
+        names.append(FrozenLake.actions[_MOVES.index((r1 - r0, c1 - c0))])
+    return names
+
+
+def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000):
+    """Optimal success probability and greedy policy under the env's transition rule.
+
+    Returns ``(values, policy)``: dicts from tile to the probability of reaching the goal when acting optimally
+    (without a step limit), and to the best action name.
+    """
+    n = env.size
+    outcomes = (-1, 0, 1) if env.slippery else (0,)
+    tiles = [(r, c) for r in range(n) for c in range(n)]
+    values = {t: 0.0 for t in tiles}
+    values[env.goal] = 1.0
+
+    def move(cell, a):
+        dr, dc = _MOVES[a]
+        return min(max(cell[0] + dr, 0), n - 1), min(max(cell[1] + dc, 0), n - 1)
+
+    def q(cell, a):
+        return sum(values[move(cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+
+    for _ in range(max_iters):
+        delta = 0.0
+        for t in tiles:
+            if t == env.goal or t in env.holes:
+                continue
+            best = max(q(t, a) for a in range(4))
+            delta = max(delta, abs(best - values[t]))
+            values[t] = best
+        if delta < tol:
+            break
+    policy = {
+        t: FrozenLake.actions[max(range(4), key=lambda a, t=t: q(t, a))]
+        for t in tiles
+        if t != env.goal and t not in env.holes
+    }
+    return values, policy

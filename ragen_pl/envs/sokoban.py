@@ -1,0 +1,307 @@
+"""Sokoban (multi-turn, deterministic, irreversible), as in RAGEN / gym-sokoban.
+
+Room generation follows gym-sokoban: carve a room topology with a random walk of 3x3 masks, put the boxes on
+targets, then play *backwards* (the player walks and may pull a box behind it). Every reverse move has a forward
+inverse (walk back, or push), so the room reached is solvable by construction; the reverse state that moved the
+boxes furthest from their targets is kept. ``solve`` (breadth-first search) confirms it in the tests.
+
+Rewards (gym-sokoban's): -0.1 per step, +1 for pushing a box onto a target, -1 for pushing one off, +10 when every
+box is on a target. The text grid uses the paper's symbols by default; ``symbols`` swaps the vocabulary, so the
+"other symbols" variant is a config.
+
+The state lives in flat Python lists indexed ``row * cols + col``: for rooms this small that is several times
+faster than numpy, and rollouts reset hundreds of rooms per iteration.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from ragen_pl.envs.base import Env, StepResult, check_int
+
+WALL, FLOOR, TARGET = 0, 1, 2
+
+#: The paper's text symbols.
+DEFAULT_SYMBOLS: dict[str, str] = {
+    "wall": "#",
+    "empty": "_",
+    "target": "O",
+    "box_on_target": "√",
+    "box": "X",
+    "player": "P",
+    "player_on_target": "S",
+}
+
+# gym-sokoban's carving masks: each step of the random walk opens one of these 3x3 patterns.
+_MASKS = (
+    ((0, 0, 0), (1, 1, 1), (0, 0, 0)),
+    ((0, 1, 0), (0, 1, 0), (0, 1, 0)),
+    ((0, 0, 0), (1, 1, 0), (0, 1, 0)),
+    ((0, 0, 0), (1, 1, 0), (1, 1, 0)),
+    ((0, 0, 0), (0, 1, 1), (0, 1, 0)),
+)
+_DIRECTIONS = ((-1, 0), (1, 0), (0, -1), (0, 1))  # Up, Down, Left, Right
+
+
+class Sokoban(Env):
+    actions = ("Up", "Down", "Left", "Right")
+
+    def __init__(
+        self,
+        dim_room: tuple[int, int] = (6, 6),
+        num_boxes: int = 1,
+        max_steps: int = 100,
+        search_depth: int = 30,
+        symbols: Mapping[str, str] | None = None,
+        tag: str | None = None,
+    ) -> None:
+        """
+        Args:
+            dim_room: (rows, cols) including the outer wall; the paper uses (6, 6) and a (8, 8) variant.
+            num_boxes: boxes (and targets) per room; the 8x8 variant uses 2.
+            max_steps: the episode ends after this many env steps.
+            search_depth: length of the reverse-play walk that scatters the boxes (longer, harder rooms).
+            symbols: text vocabulary, a mapping with exactly the keys of ``DEFAULT_SYMBOLS``.
+            tag: metrics tag (default ``Sokoban``).
+        """
+        super().__init__(tag)
+        if not (isinstance(dim_room, Sequence) and len(dim_room) == 2):
+            raise ValueError(f"`dim_room` must be (rows, cols), got {dim_room!r}")
+        check_int("dim_room[0]", dim_room[0], 4, 64)
+        check_int("dim_room[1]", dim_room[1], 4, 64)
+        check_int("num_boxes", num_boxes, 1, 10)
+        check_int("max_steps", max_steps, 1)
+        check_int("search_depth", search_depth, 1)
+        interior = (dim_room[0] - 2) * (dim_room[1] - 2)
+        if interior < 2 * num_boxes + 2:
+            raise ValueError(
+                f"`num_boxes` {num_boxes} does not fit a {dim_room[0]}x{dim_room[1]} room; "
+                f"at most {(interior - 2) // 2} boxes fit"
+            )
+        self.rows, self.cols = int(dim_room[0]), int(dim_room[1])
+        self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
+        #: Bound on the reverse search, so large rooms with many boxes stay fast.
+        self.max_search_states = 20_000
+        self.symbols = _check_symbols(symbols)
+        self._deltas = tuple(dr * self.cols + dc for dr, dc in _DIRECTIONS)
+        self.fixed: list[int] = [WALL] * (self.rows * self.cols)
+        self.boxes: set[int] = set()
+        self.player = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ text
+    @property
+    def instructions(self) -> str:
+        s = self.symbols
+        return (
+            "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
+            "When you are right next to a box, you can push it by moving in the same direction. You cannot push a "
+            "box through a wall or into another box, and you cannot pull a box.\n"
+            f"Symbols: {s['wall']} wall, {s['empty']} empty, {s['target']} target, {s['box_on_target']} box on "
+            f"target, {s['box']} box, {s['player']} player, {s['player_on_target']} player on target.\n"
+            "Actions: Up, Down, Left, Right."
+        )
+
+    def render(self) -> str:
+        s = self.symbols
+        cells = []
+        for i, kind in enumerate(self.fixed):
+            on_target = kind == TARGET
+            if kind == WALL:
+                cells.append(s["wall"])
+            elif i == self.player:
+                cells.append(s["player_on_target"] if on_target else s["player"])
+            elif i in self.boxes:
+                cells.append(s["box_on_target"] if on_target else s["box"])
+            else:
+                cells.append(s["target"] if on_target else s["empty"])
+        c = self.cols
+        return "\n".join("".join(cells[r * c : (r + 1) * c]) for r in range(self.rows))
+
+    # ------------------------------------------------------------ episode
+    def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        for _ in range(1000):
+            if self._generate(rng):
+                self.steps = 0
+                return self.render()
+        raise RuntimeError(  # pragma: no cover - needs a pathological config
+            f"Sokoban could not generate a {self.rows}x{self.cols} room with {self.num_boxes} boxes for seed {seed}"
+        )
+
+    def load(self, grid: str) -> str:
+        """Start an episode from a hand-made grid written in this env's symbols (rows separated by newlines)."""
+        rows = grid.strip("\n").split("\n")
+        inverse = {v: k for k, v in self.symbols.items()}
+        if len(rows) != self.rows or any(len(r) != self.cols for r in rows):
+            raise ValueError(f"grid must be {self.rows}x{self.cols}, got {len(rows)} rows: {grid!r}")
+        self.fixed, self.boxes, players = [], set(), []
+        for i, ch in enumerate("".join(rows)):
+            if ch not in inverse:
+                raise ValueError(f"grid has unknown symbol {ch!r}; allowed: {''.join(self.symbols.values())}")
+            kind = inverse[ch]
+            self.fixed.append(
+                WALL if kind == "wall" else TARGET if kind in ("target", "box_on_target", "player_on_target") else FLOOR
+            )
+            if kind in ("box", "box_on_target"):
+                self.boxes.add(i)
+            if kind in ("player", "player_on_target"):
+                players.append(i)
+        if len(players) != 1:
+            raise ValueError(f"grid must have exactly one player, found {len(players)}")
+        self.player = players[0]
+        self.num_boxes = len(self.boxes)
+        self.steps = 0
+        return self.render()
+
+    def expert_action(self) -> str:
+        plan = solve(self)
+        if not plan:
+            raise RuntimeError("the room cannot be solved from this state")
+        return plan[0]
+
+    @property
+    def solved(self) -> bool:
+        return all(self.fixed[b] == TARGET for b in self.boxes)
+
+    def step(self, action: str) -> StepResult:
+        index = self.parse_action(action)
+        if index is None or self.steps >= self.max_steps or self.solved:
+            return self.invalid(self.render())
+        d = self._deltas[index]
+        fixed, boxes = self.fixed, self.boxes
+        reward = -0.1
+        moved = False
+        target = self.player + d
+        if fixed[target] != WALL:
+            if target in boxes:
+                beyond = target + d
+                if fixed[beyond] != WALL and beyond not in boxes:
+                    boxes.remove(target)
+                    boxes.add(beyond)
+                    reward += (fixed[beyond] == TARGET) - (fixed[target] == TARGET)
+                    self.player, moved = target, True
+            else:
+                self.player, moved = target, True
+        self.steps += 1
+        solved = self.solved
+        if solved:
+            reward += 10.0
+        done = solved or self.steps >= self.max_steps
+        return self.render(), reward, done, {"success": solved, "action_is_valid": True, "action_is_effective": moved}
+
+    # --------------------------------------------------------- generation
+    def _generate(self, rng: random.Random) -> bool:
+        rows, cols = self.rows, self.cols
+        fixed = [WALL] * (rows * cols)
+        r, c = rng.randrange(1, rows - 1), rng.randrange(1, cols - 1)
+        dr, dc = rng.choice(_DIRECTIONS)
+        for _ in range(int(1.7 * (rows + cols))):
+            if rng.random() < 0.35:
+                dr, dc = rng.choice(_DIRECTIONS)
+            r = min(max(r + dr, 1), rows - 2)
+            c = min(max(c + dc, 1), cols - 2)
+            mask = rng.choice(_MASKS)
+            for mr in range(3):
+                for mc in range(3):
+                    rr, cc = r + mr - 1, c + mc - 1
+                    if mask[mr][mc] and 0 < rr < rows - 1 and 0 < cc < cols - 1:
+                        fixed[rr * cols + cc] = FLOOR
+        floor = [i for i, k in enumerate(fixed) if k != WALL]
+        if len(floor) < 2 * self.num_boxes + 2:
+            return False
+        picks = rng.sample(floor, self.num_boxes + 1)
+        targets, player = picks[:-1], picks[-1]
+        for t in targets:
+            fixed[t] = TARGET
+        # Reverse play, exhaustively like gym-sokoban's search: breadth-first over (player, boxes) states reachable
+        # from the solved room by walking and pulling, up to `search_depth` reverse moves. The states whose boxes
+        # lie furthest from the targets are the candidates; one is drawn at random.
+        target_set = frozenset(targets)
+        start = (player, frozenset(targets))
+        seen = {start}
+        frontier = [start]
+        best_score, best = 0, []
+        for _ in range(self.search_depth):
+            nxt_frontier = []
+            for pos, boxes in frontier:
+                for d in self._deltas:
+                    nxt = pos + d
+                    if fixed[nxt] == WALL or nxt in boxes:
+                        continue
+                    states = [(nxt, boxes)]
+                    if pos - d in boxes:  # pull: the box follows the player into its old cell
+                        states.append((nxt, boxes - {pos - d} | {pos}))
+                    for state in states:
+                        if state in seen:
+                            continue
+                        seen.add(state)
+                        nxt_frontier.append(state)
+                        score = sum(min(_manhattan(b, t, cols) for t in target_set) for b in state[1])
+                        if score > best_score:
+                            best_score, best = score, [state]
+                        elif score == best_score and score > 0:
+                            best.append(state)
+            if not nxt_frontier or len(seen) > self.max_search_states:
+                break
+            frontier = nxt_frontier
+        if not best:
+            return False
+        pos, boxes = rng.choice(best)
+        self.fixed, self.player, self.boxes = fixed, pos, set(boxes)
+        return True
+
+
+def _manhattan(a: int, b: int, cols: int) -> int:
+    return abs(a // cols - b // cols) + abs(a % cols - b % cols)
+
+
+def _check_symbols(symbols: Mapping[str, str] | None) -> dict[str, str]:
+    if symbols is None:
+        return dict(DEFAULT_SYMBOLS)
+    if not isinstance(symbols, Mapping) or set(symbols) != set(DEFAULT_SYMBOLS):
+        got = sorted(symbols) if isinstance(symbols, Mapping) else symbols
+        raise ValueError(f"`symbols` must have exactly the keys {sorted(DEFAULT_SYMBOLS)}, got {got!r}")
+    values = list(symbols.values())
+    if any(not isinstance(v, str) or len(v) != 1 or v.isspace() for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"`symbols` values must be distinct single visible characters, got {dict(symbols)!r}")
+    return dict(symbols)
+
+
+def solve(env: Sokoban, max_states: int = 200_000) -> list[str] | None:
+    """Shortest action sequence (in player moves) that solves the current room, by breadth-first search.
+
+    Returns ``None`` when the room is unsolvable, or when more than ``max_states`` states were explored.
+    """
+    fixed, deltas = env.fixed, env._deltas
+    start = (env.player, frozenset(env.boxes))
+    parents: dict[tuple[int, frozenset[int]], tuple[tuple[int, frozenset[int]], int] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        state = queue.popleft()
+        player, boxes = state
+        if all(fixed[b] == TARGET for b in boxes):
+            path = []
+            while parents[state] is not None:
+                state, a = parents[state]  # type: ignore[misc]
+                path.append(Sokoban.actions[a])
+            return path[::-1]
+        for a, d in enumerate(deltas):
+            nxt = player + d
+            if fixed[nxt] == WALL:
+                continue
+            if nxt in boxes:
+                beyond = nxt + d
+                if fixed[beyond] == WALL or beyond in boxes:
+                    continue
+                new = (nxt, boxes - {nxt} | {beyond})
+            else:
+                new = (nxt, boxes)
+            if new not in parents:
+                parents[new] = (state, a)
+                if len(parents) > max_states:
+                    return None
+                queue.append(new)
+    return None

@@ -1,0 +1,215 @@
+"""Trajectory filters (entry-point group ``ragen_pl.filters``): StarPO-S's variance-based group selection.
+
+A filter looks at groups (trajectories that share an initial state) and keeps whole groups. Each returns a (B,)
+bool mask of kept trajectories plus diagnostics: the kept fraction of groups and the mean in-group reward std before
+and after filtering (the paper's early-warning signal for the Echo Trap).
+
+Owned by :class:`ragen_pl.data.RolloutDataModule`: filters decide which trajectories reach the update.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ragen_pl.advantages import group_stats, masked_mean
+from ragen_pl.types import TrajectoryBatch
+
+__all__ = [
+    "AdaptiveVariance",
+    "DropZeroVariance",
+    "Filter",
+    "FilterResult",
+    "NoFilter",
+    "VarianceTopP",
+    "group_metric",
+    "select_groups",
+]
+
+RankBy = Literal["reward_std", "reward_mean", "length", "entropy"]
+KeepMode = Literal["top_p", "top_k", "min_value"]
+
+
+@dataclass
+class FilterResult:
+    keep: Tensor
+    """(B,) bool: trajectories that go on to the update."""
+    metrics: dict[str, Tensor]
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Sorted unique group ids and each trajectory's position among them."""
+    return torch.unique(group_ids, return_inverse=True)
+
+
+def group_metric(batch: TrajectoryBatch, rank_by: RankBy = "reward_std") -> Tensor:
+    """(G,) per-group statistic, groups in ascending group-id order.
+
+    ``reward_std``: unbiased std of the trajectory rewards inside the group; ``reward_mean``: their mean;
+    ``length``: mean number of sampled tokens; ``entropy``: mean of ``-old_logprobs`` over sampled tokens, the
+    Monte-Carlo estimate of the policy's token entropy.
+    """
+    _, inverse = _group_index(batch.group_ids)
+    G = int(inverse.max()) + 1
+    if rank_by in ("reward_std", "reward_mean"):
+        mean, std, _ = group_stats(batch.scores, batch.group_ids)
+        per_traj = std if rank_by == "reward_std" else mean
+    elif rank_by == "length":
+        per_traj = batch.response_lengths.double()
+    elif rank_by == "entropy":
+        if batch.old_logprobs is None:
+            raise ValueError("rank_by='entropy' needs `old_logprobs` in the batch")
+        per_traj = masked_mean(-batch.old_logprobs, batch.loss_mask, dim=-1).double()
+    else:
+        raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, entropy, got {rank_by!r}")
+    total = torch.zeros(G, dtype=torch.float64, device=per_traj.device).index_add_(0, inverse, per_traj.double())
+    count = torch.zeros_like(total).index_add_(0, inverse, torch.ones_like(per_traj, dtype=torch.float64))
+    return total / count
+
+
+def select_groups(stat: Tensor, mode: KeepMode, value: float, reverse: bool = False) -> Tensor:
+    """(G,) bool mask of kept groups.
+
+    ``top_p``: keep ``ceil(value * G)`` groups (at least one) with the highest statistic (lowest if ``reverse``).
+    ``top_k``: keep ``min(value, G)`` such groups. ``min_value``: keep groups with ``stat >= value``
+    (``<= value`` if ``reverse``). Ties break towards the lower group id, so the result is deterministic.
+    """
+    G = stat.numel()
+    if mode == "min_value":
+        return stat <= value if reverse else stat >= value
+    if mode == "top_p":
+        # The tolerance keeps float noise (0.25 * 8 = 2.0000000001) from adding a group.
+        k = max(1, math.ceil(value * G - 1e-9))
+    elif mode == "top_k":
+        k = min(int(value), G)
+    else:
+        raise ValueError(f"`mode` must be one of top_p, top_k, min_value, got {mode!r}")
+    order = torch.sort(stat if reverse else -stat, stable=True).indices
+    keep = torch.zeros(G, dtype=torch.bool, device=stat.device)
+    keep[order[:k]] = True
+    return keep
+
+
+class Filter(ABC):
+    """Base class of trajectory filters (entry-point group ``ragen_pl.filters``)."""
+
+    def __call__(self, batch: TrajectoryBatch) -> FilterResult:
+        _, inverse = _group_index(batch.group_ids)
+        keep_groups = self.select(batch)
+        keep = keep_groups[inverse]
+        std = group_metric(batch, "reward_std")
+        kept_std = std[keep_groups]
+        metrics = {
+            "filter/kept_frac": keep_groups.double().mean(),
+            "filter/reward_std_before": std.mean(),
+            "filter/reward_std_after": kept_std.mean() if kept_std.numel() else std.new_zeros(()),
+        }
+        return FilterResult(keep, metrics)
+
+    @abstractmethod
+    def select(self, batch: TrajectoryBatch) -> Tensor:
+        """(G,) bool mask over the batch's groups, in ascending group-id order."""
+
+
+class NoFilter(Filter):
+    """Keep every group (vanilla StarPO)."""
+
+    def select(self, batch: TrajectoryBatch) -> Tensor:
+        return torch.ones(batch.group_ids.unique().numel(), dtype=torch.bool, device=batch.group_ids.device)
+
+
+class VarianceTopP(Filter):
+    """Keep the groups whose in-group reward std is highest (StarPO-S keeps the top 25%).
+
+    Other statistics and keep rules are options, so the paper's ablations are configs.
+    """
+
+    def __init__(
+        self,
+        top_p: float = 0.25,
+        rank_by: RankBy = "reward_std",
+        mode: KeepMode = "top_p",
+        top_k: int | None = None,
+        min_value: float | None = None,
+        reverse: bool = False,
+    ) -> None:
+        """
+        Args:
+            top_p: share of groups to keep with ``mode="top_p"``, in (0, 1].
+            rank_by: per-group statistic to rank by.
+            mode: keep a share (``top_p``), a count (``top_k``) or every group above a value (``min_value``).
+            top_k: number of groups to keep with ``mode="top_k"``.
+            min_value: threshold with ``mode="min_value"``.
+            reverse: keep the lowest-ranked groups instead (an ablation in the paper).
+        """
+        if mode not in ("top_p", "top_k", "min_value"):
+            raise ValueError(f"`mode` must be one of top_p, top_k, min_value, got {mode!r}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {top_p}")
+        if mode == "top_k" and (top_k is None or top_k < 1):
+            raise ValueError(f"`top_k` must be an integer >= 1 with mode='top_k', got {top_k!r}")
+        if mode == "min_value" and min_value is None:
+            raise ValueError("`min_value` must be set with mode='min_value'")
+        if rank_by not in ("reward_std", "reward_mean", "length", "entropy"):
+            raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, entropy, got {rank_by!r}")
+        self.top_p, self.rank_by, self.mode = top_p, rank_by, mode
+        self.top_k, self.min_value, self.reverse = top_k, min_value, reverse
+
+    def select(self, batch: TrajectoryBatch) -> Tensor:
+        value = {"top_p": self.top_p, "top_k": self.top_k, "min_value": self.min_value}[self.mode]
+        return select_groups(group_metric(batch, self.rank_by), self.mode, value, self.reverse)  # type: ignore[arg-type]
+
+
+class DropZeroVariance(Filter):
+    """Keep only groups whose rewards differ (std > ``eps``): a group with equal rewards has no GRPO signal."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        """
+        Args:
+            eps: groups with in-group reward std at or below this are dropped.
+        """
+        if eps < 0:
+            raise ValueError(f"`eps` must be >= 0, got {eps}")
+        self.eps = eps
+
+    def select(self, batch: TrajectoryBatch) -> Tensor:
+        return group_metric(batch, "reward_std") > self.eps
+
+
+class AdaptiveVariance(Filter):
+    """Keep a share of groups set each iteration by how the in-group reward std is spread.
+
+    The paper keeps a fixed 25% and calls the ratio empirical; it suggests adapting it. The rule here: a group is
+    *informative* when its std is at least ``rel_threshold`` times the largest std in the batch. The kept share
+    is the informative share, clamped to ``[min_p, max_p]``, and the top groups by std are kept. When a few groups
+    carry all the signal (the Echo Trap's onset, most stds near zero) few are kept; when signal is spread evenly
+    most are kept, so no informative group is thrown away for a fixed quota. If every std is 0 there is no signal
+    and ``min_p`` is kept.
+    """
+
+    def __init__(self, min_p: float = 0.25, max_p: float = 1.0, rel_threshold: float = 0.5) -> None:
+        """
+        Args:
+            min_p: smallest share of groups kept, in (0, 1].
+            max_p: largest share of groups kept, in [min_p, 1].
+            rel_threshold: a group is informative when its std >= this times the batch's largest std, in (0, 1].
+        """
+        if not 0 < min_p <= max_p <= 1:
+            raise ValueError(f"need 0 < `min_p` <= `max_p` <= 1, got min_p={min_p}, max_p={max_p}")
+        if not 0 < rel_threshold <= 1:
+            raise ValueError(f"`rel_threshold` must be in (0, 1], got {rel_threshold}")
+        self.min_p, self.max_p, self.rel_threshold = min_p, max_p, rel_threshold
+
+    def kept_share(self, std: Tensor) -> float:
+        top = float(std.max()) if std.numel() else 0.0
+        informative = float((std >= self.rel_threshold * top).double().mean()) if top > 0 else 0.0
+        return min(max(informative, self.min_p), self.max_p)
+
+    def select(self, batch: TrajectoryBatch) -> Tensor:
+        std = group_metric(batch, "reward_std")
+        return select_groups(std, "top_p", self.kept_share(std))

@@ -1,0 +1,1 @@
+"""Rollout: engines that sample tokens, and the multi-turn loop that turns env play into trajectories."""

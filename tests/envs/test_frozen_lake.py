@@ -1,0 +1,88 @@
+import pytest
+
+from ragen_pl.envs.frozen_lake import FrozenLake, shortest_path, value_iteration
+
+
+def test_same_seed_same_map():
+    assert FrozenLake().reset(5) == FrozenLake().reset(5)
+    assert len({FrozenLake().reset(s) for s in range(100)}) > 50
+
+
+def test_every_map_has_a_path_and_render_symbols():
+    env = FrozenLake(size=6)
+    for seed in range(300):
+        obs = env.reset(seed)
+        rows = obs.splitlines()
+        assert rows[0][0] == "P" and rows[-1][-1] == "G" and len(rows) == 6
+        assert set(obs) <= set("P_OG\n")
+        assert shortest_path(env) is not None
+
+
+def test_not_slippery_follows_shortest_path_to_goal():
+    env = FrozenLake(slippery=False)
+    for seed in range(50):
+        env.reset(seed)
+        plan = shortest_path(env)
+        for i, action in enumerate(plan):
+            obs, reward, done, info = env.step(action)
+            assert done == (i == len(plan) - 1)
+        assert reward == 1.0 and info["success"] and obs.splitlines()[-1][-1] == "√"
+
+
+def test_hole_ends_episode_with_x():
+    env = FrozenLake(slippery=False)
+    for seed in range(200):
+        env.reset(seed)
+        if (0, 1) in env.holes:
+            obs, reward, done, info = env.step("Right")
+            assert done and reward == 0.0 and not info["success"] and obs[1] == "X"
+            return
+    pytest.fail("no map with a hole at (0, 1) in 200 seeds")
+
+
+def test_slip_frequencies():
+    """Intended move 1/3, each perpendicular move 1/3, never backwards (binomial 5-sigma bounds)."""
+    env = FrozenLake(size=5, frozen_prob=1.0)
+    counts = {"Down": 0, "Left": 0, "Right": 0, "Up": 0}
+    n = 6000
+    for i in range(n):
+        env.reset(i)
+        env.pos = (2, 2)  # centre of an all-frozen map: every move is effective
+        env.step("Down")
+        moved = {(3, 2): "Down", (2, 1): "Left", (2, 3): "Right", (1, 2): "Up"}[env.pos]
+        counts[moved] += 1
+    sigma = (n * (1 / 3) * (2 / 3)) ** 0.5
+    for name in ("Down", "Left", "Right"):
+        assert abs(counts[name] - n / 3) < 5 * sigma, counts
+    assert counts["Up"] == 0
+
+
+def test_value_iteration_success_probabilities():
+    env = FrozenLake(slippery=False)
+    env.reset(0)
+    values, policy = value_iteration(env)
+    assert values[(0, 0)] == pytest.approx(1.0)  # deterministic moves: a path exists, so success is certain
+    slippery = FrozenLake(slippery=True, frozen_prob=1.0)
+    slippery.reset(0)
+    values, _ = value_iteration(slippery)
+    assert values[(0, 0)] == pytest.approx(1.0, abs=1e-6)  # no holes: the goal is reached eventually
+
+
+def test_invalid_action():
+    env = FrozenLake()
+    obs = env.reset(0)
+    assert env.step("Jump")[3]["action_is_valid"] is False and env.steps == 0 and env.render() == obs
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"size": 1}, r"`size` must be in \[2, 64\], got 1"),
+        ({"frozen_prob": 1.5}, r"`frozen_prob` must be in \[0.0, 1.0\], got 1.5"),
+        ({"frozen_prob": 0.2}, r"`frozen_prob` must be >= 0.5"),
+        ({"slippery": "yes"}, r"`slippery` must be true or false, got 'yes'"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        FrozenLake(**kwargs)
