@@ -39,10 +39,11 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------- helpers
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is true (0 where nothing is valid)."""
-    mask = mask.to(x.dtype)
+    x = torch.where(mask.bool(), x, 0.0)  # not x * mask: nan * 0 is nan
+    count = mask.to(x.dtype)
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+        return x.sum() / count.sum().clamp(min=1)
+    return x.sum(dim) / count.sum(dim).clamp(min=1)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:

@@ -33,10 +33,11 @@ def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg = "token-mean") -> Tenso
     Sequences without a valid token are left out of the sequence means.
     """
     m = mask.to(loss.dtype)
+    loss = torch.where(mask, loss, 0.0)  # not loss * mask: nan * 0 is nan
     if mode == "token-mean":
-        return (loss * m).sum() / m.sum().clamp(min=1)
+        return loss.sum() / m.sum().clamp(min=1)
     has_tokens = mask.any(-1)
-    per_seq = (loss * m).sum(-1)
+    per_seq = loss.sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / m.sum(-1).clamp(min=1)
     elif mode != "seq-mean-token-sum":
@@ -68,7 +69,8 @@ def policy_loss(
         raise ValueError(f"`clip_low` must be in [0, 1) and `clip_high` >= 0, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"`dual_clip` must be > 1 (or None), got {dual_clip}")
-    log_ratio = (logprobs - old_logprobs) * mask  # masked first: padding may hold any value, even inf
+    # Masked first: positions outside the mask may hold anything, even inf or nan.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)

@@ -73,8 +73,8 @@ class TrajectoryBatch:
 
     @property
     def scores(self) -> Tensor:
-        """(B,) trajectory reward: the sum of token rewards."""
-        return self.rewards.sum(-1)
+        """(B,) trajectory reward: the sum of token rewards on sampled tokens (rewards elsewhere are ignored)."""
+        return (self.rewards * self.loss_mask).sum(-1)
 
     @property
     def response_lengths(self) -> Tensor:

@@ -1,0 +1,59 @@
+"""Builders for small trajectory batches used across the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from ragen_pl.types import TrajectoryBatch
+
+
+def make_batch(
+    loss_mask: list[list[int]],
+    rewards: list[list[float]] | None = None,
+    turn_ids: list[list[int]] | None = None,
+    group_ids: list[int] | None = None,
+    values: list[list[float]] | None = None,
+    old_logprobs: list[list[float]] | None = None,
+    env_tags: list[str] | None = None,
+) -> TrajectoryBatch:
+    mask = torch.tensor(loss_mask, dtype=torch.bool)
+    B, T = mask.shape
+    if turn_ids is None:
+        turn_ids = torch.where(mask, 0, -1).tolist()
+    return TrajectoryBatch(
+        input_ids=torch.arange(B * T).reshape(B, T),
+        attention_mask=torch.ones(B, T, dtype=torch.bool),
+        loss_mask=mask,
+        rewards=torch.tensor(rewards, dtype=torch.float32) if rewards is not None else torch.zeros(B, T),
+        turn_ids=torch.tensor(turn_ids),
+        group_ids=torch.tensor(group_ids if group_ids is not None else list(range(B))),
+        env_tags=env_tags or ["env"] * B,
+        values=torch.tensor(values, dtype=torch.float32) if values is not None else None,
+        old_logprobs=torch.tensor(old_logprobs, dtype=torch.float32) if old_logprobs is not None else None,
+    )
+
+
+def random_batch(
+    B: int, T: int, *, groups: int | None = None, turns: int = 3, seed: int = 0, p_mask: float = 0.6
+) -> TrajectoryBatch:
+    """A random multi-turn batch: turns of sampled tokens separated by env tokens, rewards on turn ends."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < p_mask
+    mask[:, 0] = False
+    # Turn ids: split each row into `turns` contiguous chunks; only sampled tokens carry an id.
+    chunk = torch.arange(T).div(max(1, -(-T // turns)), rounding_mode="floor").expand(B, T)
+    turn_ids = torch.where(mask, chunk, -1)
+    batch = TrajectoryBatch(
+        input_ids=torch.randint(0, 100, (B, T), generator=g),
+        attention_mask=torch.ones(B, T, dtype=torch.bool),
+        loss_mask=mask,
+        rewards=torch.zeros(B, T),
+        turn_ids=turn_ids,
+        group_ids=torch.arange(B) % (groups or B),
+        env_tags=["a" if i % 2 else "b" for i in range(B)],
+        values=torch.randn(B, T, generator=g),
+        old_logprobs=-torch.rand(B, T, generator=g) * 3,
+    )
+    ends = batch.turn_ends
+    batch.rewards = torch.where(ends, torch.randn(B, T, generator=g), 0.0)
+    return batch

@@ -1,0 +1,117 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragen_pl.filters import (
+    AdaptiveVariance,
+    DropZeroVariance,
+    NoFilter,
+    VarianceTopP,
+    group_metric,
+    select_groups,
+)
+from tests.helpers import make_batch
+
+
+def batch_from_scores(scores: list[list[float]], lengths: list[list[int]] | None = None):
+    """One group per inner list; each trajectory's score sits on its only sampled token."""
+    G, n = len(scores), len(scores[0])
+    T = 1 + max(max(r) for r in lengths) if lengths else 2
+    mask, rewards = [], []
+    for g in range(G):
+        for i in range(n):
+            L = lengths[g][i] if lengths else 1
+            mask.append([0] + [1] * L + [0] * (T - 1 - L))
+            rewards.append([0] * L + [scores[g][i]] + [0] * (T - 1 - L))
+    return make_batch(mask, rewards=rewards, group_ids=[g for g in range(G) for _ in range(n)])
+
+
+def test_variance_top_p_keeps_highest_std_groups():
+    # stds: g0 [1,1] = 0, g1 [0,1] = 0.707, g2 [0,4] = 2.83, g3 [1,2] = 0.707
+    b = batch_from_scores([[1, 1], [0, 1], [0, 4], [1, 2]])
+    out = VarianceTopP(top_p=0.5)(b)
+    # ceil(0.5 * 4) = 2 groups: g2, then the tie g1/g3 breaks to the lower id g1
+    assert out.keep.tolist() == [False, False, True, True, True, True, False, False]
+    assert float(out.metrics["filter/kept_frac"]) == 0.5
+    stds = [0, math.sqrt(0.5), math.sqrt(8), math.sqrt(0.5)]
+    assert float(out.metrics["filter/reward_std_before"]) == pytest.approx(sum(stds) / 4)
+    assert float(out.metrics["filter/reward_std_after"]) == pytest.approx((stds[1] + stds[2]) / 2)
+
+
+def test_reverse_and_other_modes():
+    b = batch_from_scores([[1, 1], [0, 1], [0, 4], [1, 2]])
+    assert VarianceTopP(top_p=0.25, reverse=True).select(b).tolist() == [True, False, False, False]
+    assert VarianceTopP(mode="top_k", top_k=3).select(b).tolist() == [False, True, True, True]
+    assert VarianceTopP(mode="min_value", min_value=1.0).select(b).tolist() == [False, False, True, False]
+    assert VarianceTopP(rank_by="reward_mean", top_p=0.25).select(b).tolist() == [False, False, True, False]
+    assert DropZeroVariance().select(b).tolist() == [False, True, True, True]
+    assert NoFilter().select(b).tolist() == [True] * 4
+
+
+def test_rank_by_length_and_entropy():
+    b = batch_from_scores([[0, 0], [0, 0]], lengths=[[1, 3], [5, 5]])
+    assert group_metric(b, "length").tolist() == [2.0, 5.0]
+    assert VarianceTopP(rank_by="length", top_p=0.5).select(b).tolist() == [False, True]
+    b.old_logprobs = torch.where(b.loss_mask, torch.tensor(-2.0), torch.tensor(-100.0))
+    b.old_logprobs[:2] = torch.where(b.loss_mask[:2], -0.5, -100.0)
+    assert group_metric(b, "entropy").tolist() == [0.5, 2.0]
+    b.old_logprobs = None
+    with pytest.raises(ValueError, match="rank_by='entropy' needs `old_logprobs`"):
+        VarianceTopP(rank_by="entropy").select(b)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    G=st.integers(1, 20),
+    p=st.floats(0.01, 1.0),
+    seed=st.integers(0, 1000),
+)
+def test_top_p_keeps_exactly_ceil_pg_groups(G, p, seed):
+    stat = torch.rand(G, generator=torch.Generator().manual_seed(seed)).round(decimals=1)  # ties on purpose
+    keep = select_groups(stat, "top_p", p)
+    k = max(1, math.ceil(p * G - 1e-9))
+    assert int(keep.sum()) == k
+    # Every kept group ranks at least as high as every dropped one.
+    if 0 < k < G:
+        assert float(stat[keep].min()) >= float(stat[~keep].max())
+    assert keep.tolist() == select_groups(stat.clone(), "top_p", p).tolist()  # deterministic
+
+
+def test_paper_setting_8_groups_keeps_2():
+    stat = torch.arange(8, dtype=torch.float64)
+    assert select_groups(stat, "top_p", 0.25).nonzero().flatten().tolist() == [6, 7]
+
+
+def test_adaptive_variance_rule():
+    f = AdaptiveVariance(min_p=0.25, max_p=1.0, rel_threshold=0.5)
+    # stds [4, 3, 0.1, 0]: informative (>= 2) = 2 of 4 -> keep 50%
+    assert f.kept_share(torch.tensor([4.0, 3.0, 0.1, 0.0])) == 0.5
+    # one dominant group: 1/8 informative, clamped up to min_p
+    assert f.kept_share(torch.tensor([5.0] + [0.1] * 7)) == 0.25
+    # evenly spread: everything informative
+    assert f.kept_share(torch.tensor([1.0, 0.9, 0.8, 0.7])) == 1.0
+    # no signal at all
+    assert f.kept_share(torch.zeros(4)) == 0.25
+    b = batch_from_scores([[0, 4], [0, 3], [1, 1.1], [2, 2]])
+    assert f.select(b).tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: VarianceTopP(top_p=0), r"`top_p` must be in \(0, 1\], got 0"),
+        (lambda: VarianceTopP(top_p=1.5), r"`top_p` must be in \(0, 1\], got 1.5"),
+        (lambda: VarianceTopP(mode="top_k"), r"`top_k` must be an integer >= 1 with mode='top_k', got None"),
+        (lambda: VarianceTopP(mode="min_value"), r"`min_value` must be set with mode='min_value'"),
+        (lambda: VarianceTopP(rank_by="std"), r"`rank_by` must be one of reward_std, .*got 'std'"),
+        (lambda: VarianceTopP(mode="all"), r"`mode` must be one of top_p, top_k, min_value, got 'all'"),
+        (lambda: AdaptiveVariance(min_p=0.6, max_p=0.5), r"need 0 < `min_p` <= `max_p` <= 1"),
+        (lambda: DropZeroVariance(eps=-1), r"`eps` must be >= 0"),
+    ],
+)
+def test_bad_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
