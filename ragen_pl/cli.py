@@ -1,7 +1,11 @@
 """The ``ragen-pl`` command.
 
-``ragen-pl plugins`` lists every discovered plugin; ``ragen-pl play`` plays an env with a random or expert (solver) policy.
-Plugins are loaded before any config is parsed, so configs can name components by their short entry name.
+``ragen-pl fit | validate | test`` run StarPO through LightningCLI (``--config configs/sokoban.yaml``,
+``--print_config``). ``ragen-pl plugins`` lists every discovered plugin; ``ragen-pl play`` plays an env with a
+random or expert (solver) policy; ``ragen-pl tiny`` builds the embedded tiny model.
+
+Plugins are loaded before any config is parsed, so a config can name a component by its class path, its class name
+(``GRPO``) or its entry name (``grpo``).
 """
 
 from __future__ import annotations
@@ -65,6 +69,39 @@ def _cmd_play(args: argparse.Namespace) -> int:
     return 0
 
 
+def _install_entry_name_resolver() -> None:
+    """Let jsonargparse resolve entry names (``grpo``) to the registered class, besides class names and paths.
+
+    jsonargparse resolves ``class_path`` values through ``resolve_class_path_by_name``; wrapping it is the one seam
+    it offers. If a jsonargparse release moves it, entry names stop resolving but class paths keep working.
+    """
+    from jsonargparse import _typehints
+
+    original = getattr(_typehints, "resolve_class_path_by_name", None)
+    if original is None or getattr(original, "_ragen_pl", False):
+        return
+    bases = {registry._import_target(target): group for group, target in registry.GROUPS.items()}
+
+    def resolve(cls, name):
+        if isinstance(name, str) and "." not in name:
+            for base in cls if isinstance(cls, tuple) else (cls,):
+                group = bases.get(base)
+                info = registry.load_plugins().get(group, {}).get(name) if group else None
+                if info is not None:
+                    return f"{info.cls.__module__}.{info.cls.__qualname__}"
+        return original(cls, name)
+
+    resolve._ragen_pl = True  # type: ignore[attr-defined]
+    _typehints.resolve_class_path_by_name = resolve
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from ragen_pl.tiny import build_tiny_model
+
+    print(build_tiny_model(args.path, overwrite=args.overwrite))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragen-pl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,7 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-actions", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_play)
+    p = sub.add_parser("tiny", help="build (once) the embedded tiny Qwen2 model and print its folder")
+    p.add_argument("--path", default=None, help="where to save it (default: the ragen-pl cache)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_tiny)
     return parser
+
+
+LIGHTNING_COMMANDS = {"fit", "validate", "test", "predict"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,6 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except registry.PluginLoadError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if argv and (argv[0] in LIGHTNING_COMMANDS or argv[0].startswith("--") and argv[0] != "--help"):
+        from ragen_pl.lightning_cli import run_lightning_cli
+
+        _install_entry_name_resolver()
+        return run_lightning_cli(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        build_parser().print_help()
+        print("\nTraining: ragen-pl fit|validate|test --config CONFIG.yaml (see `ragen-pl fit --help`)")
+        return 0
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ragen_pl.advantages import group_stats, masked_mean
-from ragen_pl.types import TrajectoryBatch
+from ragen_pl.advantages import group_stats
+from ragen_pl.types import TrajectoryBatch, TrajectoryStats
 
 __all__ = [
     "AdaptiveVariance",
@@ -47,24 +47,29 @@ def _group_index(group_ids: Tensor) -> tuple[Tensor, Tensor]:
     return torch.unique(group_ids, return_inverse=True)
 
 
-def group_metric(batch: TrajectoryBatch, rank_by: RankBy = "reward_std") -> Tensor:
+def _stats(x: TrajectoryBatch | TrajectoryStats) -> TrajectoryStats:
+    return x.stats() if isinstance(x, TrajectoryBatch) else x
+
+
+def group_metric(batch: TrajectoryBatch | TrajectoryStats, rank_by: RankBy = "reward_std") -> Tensor:
     """(G,) per-group statistic, groups in ascending group-id order.
 
     ``reward_std``: unbiased std of the trajectory rewards inside the group; ``reward_mean``: their mean;
     ``length``: mean number of sampled tokens; ``entropy``: mean of ``-old_logprobs`` over sampled tokens, the
     Monte-Carlo estimate of the policy's token entropy.
     """
-    _, inverse = _group_index(batch.group_ids)
+    stats = _stats(batch)
+    _, inverse = _group_index(stats.group_ids)
     G = int(inverse.max()) + 1
     if rank_by in ("reward_std", "reward_mean"):
-        mean, std, _ = group_stats(batch.scores, batch.group_ids)
+        mean, std, _ = group_stats(stats.scores, stats.group_ids)
         per_traj = std if rank_by == "reward_std" else mean
     elif rank_by == "length":
-        per_traj = batch.response_lengths.double()
+        per_traj = stats.lengths.double()
     elif rank_by == "entropy":
-        if batch.old_logprobs is None:
+        if stats.entropy is None:
             raise ValueError("rank_by='entropy' needs `old_logprobs` in the batch")
-        per_traj = masked_mean(-batch.old_logprobs, batch.loss_mask, dim=-1).double()
+        per_traj = stats.entropy.double()
     else:
         raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, entropy, got {rank_by!r}")
     total = torch.zeros(G, dtype=torch.float64, device=per_traj.device).index_add_(0, inverse, per_traj.double())
@@ -98,7 +103,9 @@ def select_groups(stat: Tensor, mode: KeepMode, value: float, reverse: bool = Fa
 class Filter(ABC):
     """Base class of trajectory filters (entry-point group ``ragen_pl.filters``)."""
 
-    def __call__(self, batch: TrajectoryBatch) -> FilterResult:
+    def __call__(self, batch: TrajectoryBatch | TrajectoryStats) -> FilterResult:
+        """Select groups. Pass all-gathered :class:`TrajectoryStats` to select across ranks."""
+        batch = _stats(batch)
         _, inverse = _group_index(batch.group_ids)
         keep_groups = self.select(batch)
         keep = keep_groups[inverse]
@@ -112,14 +119,14 @@ class Filter(ABC):
         return FilterResult(keep, metrics)
 
     @abstractmethod
-    def select(self, batch: TrajectoryBatch) -> Tensor:
+    def select(self, batch: TrajectoryStats) -> Tensor:
         """(G,) bool mask over the batch's groups, in ascending group-id order."""
 
 
 class NoFilter(Filter):
     """Keep every group (vanilla StarPO)."""
 
-    def select(self, batch: TrajectoryBatch) -> Tensor:
+    def select(self, batch: TrajectoryStats) -> Tensor:
         return torch.ones(batch.group_ids.unique().numel(), dtype=torch.bool, device=batch.group_ids.device)
 
 
@@ -160,7 +167,7 @@ class VarianceTopP(Filter):
         self.top_p, self.rank_by, self.mode = top_p, rank_by, mode
         self.top_k, self.min_value, self.reverse = top_k, min_value, reverse
 
-    def select(self, batch: TrajectoryBatch) -> Tensor:
+    def select(self, batch: TrajectoryStats) -> Tensor:
         value = {"top_p": self.top_p, "top_k": self.top_k, "min_value": self.min_value}[self.mode]
         return select_groups(group_metric(batch, self.rank_by), self.mode, value, self.reverse)  # type: ignore[arg-type]
 
@@ -177,7 +184,7 @@ class DropZeroVariance(Filter):
             raise ValueError(f"`eps` must be >= 0, got {eps}")
         self.eps = eps
 
-    def select(self, batch: TrajectoryBatch) -> Tensor:
+    def select(self, batch: TrajectoryStats) -> Tensor:
         return group_metric(batch, "reward_std") > self.eps
 
 
@@ -210,6 +217,6 @@ class AdaptiveVariance(Filter):
         informative = float((std >= self.rel_threshold * top).double().mean()) if top > 0 else 0.0
         return min(max(informative, self.min_p), self.max_p)
 
-    def select(self, batch: TrajectoryBatch) -> Tensor:
+    def select(self, batch: TrajectoryStats) -> Tensor:
         std = group_metric(batch, "reward_std")
         return select_groups(std, "top_p", self.kept_share(std))

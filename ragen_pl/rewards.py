@@ -9,6 +9,7 @@ group id), by env tag (``tag``), or over the whole batch (``batch``). Methods: `
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,18 +58,19 @@ def normalize_scores(
     return out.to(scores.dtype)
 
 
+@dataclass
 class RewardNorm:
-    """Configured reward normalisation (a plain settings holder the module applies to trajectory scores)."""
+    """How trajectory scores are normalised before advantages (RAGEN's ``reward_normalization``)."""
 
-    def __init__(self, grouping: RewardGrouping = "state", method: RewardMethod = "identity", eps: float = 1e-6):
-        """
-        Args:
-            grouping: normalise inside groups of the same initial state, the same env tag, or the whole batch.
-            method: ``identity`` (off), ``mean_std`` or ``mean_std_clip`` (clipped to [-1, 3]).
-            eps: added to the std before dividing.
-        """
-        normalize_scores(torch.zeros(1), torch.zeros(1, dtype=torch.long), ["x"], grouping, method)  # validates
-        self.grouping, self.method, self.eps = grouping, method, eps
+    grouping: RewardGrouping = "state"
+    """Normalise inside groups of the same initial state, the same env tag, or the whole batch."""
+    method: RewardMethod = "identity"
+    """``identity`` (off), ``mean_std``, or ``mean_std_clip`` (clipped to [-1, 3])."""
+    eps: float = 1e-6
+    """Added to the std before dividing."""
+
+    def __post_init__(self) -> None:
+        normalize_scores(torch.zeros(1), torch.zeros(1, dtype=torch.long), ["x"], self.grouping, self.method)
 
     def __call__(self, scores: Tensor, group_ids: Tensor, env_tags: Sequence[str]) -> Tensor:
         return normalize_scores(scores, group_ids, env_tags, self.grouping, self.method, self.eps)

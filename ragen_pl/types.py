@@ -21,6 +21,23 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass
+class TrajectoryStats:
+    """The per-trajectory numbers filters and metrics need: small enough to all-gather across ranks."""
+
+    scores: Tensor
+    """(B,) trajectory reward."""
+    group_ids: Tensor
+    """(B,) long."""
+    lengths: Tensor
+    """(B,) sampled tokens per trajectory."""
+    entropy: Tensor | None = None
+    """(B,) mean of ``-old_logprobs`` over sampled tokens (a Monte-Carlo token-entropy estimate), if known."""
+
+    def __len__(self) -> int:
+        return self.scores.shape[0]
+
+
+@dataclass
 class TrajectoryBatch:
     """B multi-turn trajectories padded (on the right) to T tokens.
 
@@ -87,6 +104,13 @@ class TrajectoryBatch:
         nxt = torch.full_like(self.turn_ids, -1)
         nxt[:, :-1] = self.turn_ids[:, 1:]
         return self.loss_mask & (nxt != self.turn_ids)
+
+    def stats(self) -> TrajectoryStats:
+        entropy = None
+        if self.old_logprobs is not None:
+            m = self.loss_mask
+            entropy = torch.where(m, -self.old_logprobs, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+        return TrajectoryStats(self.scores, self.group_ids, self.response_lengths, entropy)
 
     def select(self, index: Tensor) -> TrajectoryBatch:
         """The trajectories at ``index`` (a (B,) bool mask or a long index tensor)."""

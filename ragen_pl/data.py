@@ -1,0 +1,278 @@
+"""RolloutDataModule: fresh on-policy trajectories for every StarPO iteration.
+
+Owns the envs, the rollout engine and the filter, because together they decide which trajectories exist. Each
+training batch is one iteration's rollout: ``n_groups`` initial states (one env seed per group) x ``group_size``
+trajectories, played with the current weights, filtered, and handed to :class:`ragen_pl.module.RagenModule`, which
+splits it into mini-batches. With ``rollout_every_n_steps > 1`` a rollout is reused for that many steps.
+
+With several processes each rank plays ``n_groups / world_size`` groups. The filter ranks *all* groups: the
+per-trajectory stats are all-gathered, so "keep the top 25%" means 25% of the global batch. Ranks then pad their
+share with masked-out rows to the same size, so every rank runs the same number of forward/backward passes.
+
+Validation and test play ``val_episodes`` fixed-seed episodes at ``val_temperature`` on each env of ``val_envs``
+and yield one dict of metrics per env (keys ``val/<tag>/...``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from ragen_pl.envs.base import Env
+from ragen_pl.filters import Filter, VarianceTopP
+from ragen_pl.metrics import rollout_metrics
+from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig, RolloutResult
+from ragen_pl.rollout.engine import RolloutEngine
+from ragen_pl.rollout.hf import HFEngine
+from ragen_pl.types import TrajectoryBatch, TrajectoryStats
+
+
+@dataclass
+class RolloutBatch:
+    batch: TrajectoryBatch
+    """The trajectories this rank trains on (filtered, padded to the ranks' common size)."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Rollout and filter metrics, computed over this rank's trajectories before filtering."""
+    result: RolloutResult | None = None
+    """The full rollout, for sample logging."""
+
+
+class _Stream(IterableDataset):
+    def __init__(self, produce) -> None:
+        self.produce = produce
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self.produce()
+            if item is None:
+                return
+            yield item
+
+
+class _Once(IterableDataset):
+    def __init__(self, produce) -> None:
+        self.produce = produce
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.produce()
+
+
+class RolloutDataModule(pl.LightningDataModule):
+    def __init__(
+        self,
+        env: Env,
+        n_groups: int = 8,
+        group_size: int = 16,
+        engine: RolloutEngine | None = None,
+        filter: Filter | None = None,
+        rollout: RolloutConfig | None = None,
+        val_envs: list[Env] | None = None,
+        val_episodes: int = 256,
+        val_temperature: float = 0.5,
+        rollout_every_n_steps: int = 1,
+        seed: int = 0,
+        val_seed: int = 1_000_000,
+    ) -> None:
+        """
+        Args:
+            env: the training env (a prototype: every trajectory plays a fresh copy).
+            n_groups: initial states per iteration (paper: 8).
+            group_size: trajectories per initial state (paper: 16).
+            engine: rollout engine (default: the embedded Hugging Face engine).
+            filter: trajectory filter (default: StarPO-S's variance top-25%).
+            rollout: turn, action and sampling budgets.
+            val_envs: envs evaluated in validation and test (default: the training env); tags must differ.
+            val_episodes: fixed-seed evaluation episodes per env (paper: 256).
+            val_temperature: sampling temperature in evaluation (paper: 0.5).
+            rollout_every_n_steps: a new rollout every N training steps (1 = always on-policy).
+            seed: first env seed of training; group k of the run uses seed + k.
+            val_seed: first env seed of evaluation (fixed, so every evaluation plays the same states).
+        """
+        super().__init__()
+        for name, value, low in (("n_groups", n_groups, 1), ("group_size", group_size, 1),
+                                 ("val_episodes", val_episodes, 1), ("rollout_every_n_steps", rollout_every_n_steps, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`data.{name}` must be an integer >= {low}, got {value!r}")
+        if val_temperature < 0:
+            raise ValueError(f"`data.val_temperature` must be >= 0, got {val_temperature}")
+        self.env = env
+        self.n_groups, self.group_size = n_groups, group_size
+        self.engine = engine if engine is not None else HFEngine()
+        self.filter = filter if filter is not None else VarianceTopP()
+        self.rollout_config = rollout or RolloutConfig()
+        self.val_envs = list(val_envs) if val_envs else [env]
+        tags = [e.tag for e in self.val_envs]
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"`data.val_envs` must have distinct tags (set `tag:` on variants), got {tags}")
+        self.val_episodes, self.val_temperature = val_episodes, val_temperature
+        self.rollout_every_n_steps = rollout_every_n_steps
+        self.seed, self.val_seed = seed, val_seed
+        self.iteration = 0
+        """Rollouts played so far (the env seed counter); checkpointed."""
+        self._last: RolloutBatch | None = None
+        self._steps_since_rollout = 0
+        self.collector: Collector | None = None
+
+    # ------------------------------------------------------------------------------------------- setup
+    @property
+    def world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    @override
+    def setup(self, stage: str) -> None:
+        rank, world = self.world
+        if self.n_groups % world:
+            raise ValueError(f"`data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
+                             f"({world})")
+        module = self.trainer.lightning_module
+        bind = getattr(self.engine, "bind", None)
+        if bind is not None:
+            bind(module.policy, module.tokenizer)
+        self.collector = Collector(self.engine, module.tokenizer, self.rollout_config)
+
+    # ---------------------------------------------------------------------------------------- training
+    def next_rollout(self) -> RolloutBatch:
+        """This iteration's batch: a fresh rollout every ``rollout_every_n_steps`` calls, else the last one."""
+        if self._last is not None and self._steps_since_rollout < self.rollout_every_n_steps:
+            self._steps_since_rollout += 1
+            return self._last
+        self._last = self.play_training_rollout()
+        self._steps_since_rollout = 1
+        return self._last
+
+    def play_training_rollout(self) -> RolloutBatch:
+        assert self.collector is not None, "setup() binds the engine first"
+        rank, world = self.world
+        local = self.n_groups // world
+        first_group = self.iteration * self.n_groups + rank * local
+        specs = [EpisodeSpec(self.env, seed=self.seed + g, group_id=g)
+                 for g in range(first_group, first_group + local) for _ in range(self.group_size)]
+        result = self.collector.collect(specs)
+        self.iteration += 1
+        metrics = rollout_metrics(result.episodes)
+        for k, v in result.timings.items():
+            metrics[f"time/rollout_{k}"] = torch.tensor(v)
+        batch = result.batch
+        if batch is None:
+            raise RuntimeError(f"every trajectory of iteration {self.iteration - 1} failed: "
+                               f"{result.episodes[0].failed}")
+        keep, filter_metrics = self._filter(batch)
+        metrics.update(filter_metrics)
+        batch = self._pad_for_ranks(batch, keep)
+        return RolloutBatch(batch, metrics, result)
+
+    def _filter(self, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        stats = batch.stats()
+        rank, world = self.world
+        if world == 1:
+            out = self.filter(stats)
+            return out.keep, out.metrics
+        # All-gather the small per-trajectory stats (padded to one size, with a validity flag), filter globally.
+        size = self.n_groups // world * self.group_size
+        packed = torch.zeros(size, 4, dtype=torch.float64)
+        n = len(stats)
+        packed[:n, 0] = stats.scores.double()
+        packed[:n, 1] = stats.group_ids.double()
+        packed[:n, 2] = stats.lengths.double()
+        packed[:n, 3] = 1.0
+        gathered = self.trainer.strategy.all_gather(packed.to(self.trainer.strategy.root_device)).cpu()
+        gathered = gathered.reshape(world, size, 4)
+        flat = gathered.reshape(-1, 4)
+        valid = flat[:, 3] > 0
+        everyone = TrajectoryStats(flat[valid, 0], flat[valid, 1].long(), flat[valid, 2].long())
+        out = self.filter(everyone)
+        mine = torch.zeros(world * size, dtype=torch.bool)
+        mine[rank * size:rank * size + n] = True
+        return out.keep[mine[valid]], out.metrics
+
+    def _pad_for_ranks(self, batch: TrajectoryBatch, keep: Tensor) -> TrajectoryBatch:
+        """Keep the filtered rows, then pad with masked-out rows to the largest kept count over ranks."""
+        kept = batch.select(keep)
+        rank, world = self.world
+        target = len(kept)
+        if world > 1:
+            t = torch.tensor([target], device=self.trainer.strategy.root_device)
+            target = int(self.trainer.strategy.all_gather(t).max())
+        target = max(target, 1)
+        if len(kept) == target:
+            return kept
+        filler = batch.select(torch.zeros(target - len(kept), dtype=torch.long))  # copies of row 0 ...
+        filler.loss_mask = torch.zeros_like(filler.loss_mask)  # ... that carry no loss
+        filler.rewards = torch.zeros_like(filler.rewards)
+        if len(kept) == 0:
+            return filler
+        T = max(kept.input_ids.shape[1], filler.input_ids.shape[1])
+        parts = [_pad_time(kept, T), _pad_time(filler, T)]
+        return TrajectoryBatch(**{
+            f.name: (torch.cat([getattr(p, f.name) for p in parts]) if isinstance(getattr(parts[0], f.name), Tensor)
+                     else None) for f in fields(TrajectoryBatch) if f.name != "env_tags"
+        }, env_tags=kept.env_tags + filler.env_tags)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Stream(self.next_rollout), batch_size=None, num_workers=0)
+
+    # -------------------------------------------------------------------------------------- evaluation
+    def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
+        """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
+        assert self.collector is not None, "setup() binds the engine first"
+        rank, world = self.world
+        seeds = range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
+        specs = [EpisodeSpec(env, seed=s, group_id=s) for s in seeds]
+        result = self.collector.collect(specs, temperature=self.val_temperature)
+        metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
+        rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
+                       f"{len(specs)} episodes")
+        self.last_eval = result
+        return metrics
+
+    def _eval_loaders(self, prefix: str) -> list[DataLoader]:
+        return [DataLoader(_Once(lambda env=env: self.evaluate(env, prefix)), batch_size=None, num_workers=0)
+                for env in self.val_envs]
+
+    @override
+    def val_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders("val")
+
+    @override
+    def test_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders("test")
+
+    # ---------------------------------------------------------------------------------- checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"iteration": self.iteration, "steps_since_rollout": self._steps_since_rollout}
+        if hasattr(self.engine, "state_dict"):
+            state["engine"] = self.engine.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.iteration = state_dict["iteration"]
+        if "engine" in state_dict and hasattr(self.engine, "load_state_dict"):
+            self.engine.load_state_dict(state_dict["engine"])
+        # A reused rollout is not checkpointed: resuming mid-reuse starts a fresh rollout.
+        self._last = None
+        self._steps_since_rollout = 0
+
+
+def _pad_time(batch: TrajectoryBatch, T: int) -> TrajectoryBatch:
+    out = {}
+    for f in fields(TrajectoryBatch):
+        v = getattr(batch, f.name)
+        if isinstance(v, Tensor) and v.dim() == 2 and v.shape[1] < T:
+            fill = -1 if f.name == "turn_ids" else 0
+            v = torch.nn.functional.pad(v, (0, T - v.shape[1]), value=fill)
+        out[f.name] = v
+    return TrajectoryBatch(**out)

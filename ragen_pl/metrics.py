@@ -1,0 +1,77 @@
+"""Rollout metrics: pure functions from played episodes to ``dict[str, Tensor]`` with stable slash-separated keys.
+
+Keys are ``rollout/<name>`` for the whole batch and ``rollout/<tag>/<name>`` per env tag (validation uses
+``val/<tag>/<name>``). Group metrics (pass@k, in-group reward std) use the trajectories that share an initial state.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ragen_pl.rollout.collector import Episode
+
+SUCCESS = "success"
+PASS_AT_K = "pass_at_k"
+RETURN_MEAN = "return_mean"
+RETURN_STD = "return_std"
+GROUP_REWARD_STD = "group_reward_std"
+TURNS = "turns"
+ACTIONS = "actions"
+VALID_ACTION_RATE = "valid_action_rate"
+EFFECTIVE_ACTION_RATE = "effective_action_rate"
+FORMAT_ERROR_RATE = "format_error_rate"
+RESPONSE_TOKENS_PER_TURN = "response_tokens_per_turn"
+RESPONSE_TOKENS = "response_tokens"
+FAILED = "failed_envs"
+TRUNCATED = "truncated"
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Metrics of one set of episodes (all of one env tag, or all)."""
+    ok = [ep for ep in episodes if ep.failed is None]
+    out: dict[str, float] = {FAILED: float(len(episodes) - len(ok))}
+    if not ok:
+        return out
+    returns = torch.tensor([ep.env_return for ep in ok], dtype=torch.float64)
+    groups: dict[int, list[Episode]] = defaultdict(list)
+    for ep in ok:
+        groups[ep.spec.group_id].append(ep)
+    group_std = [torch.tensor([e.env_return for e in g], dtype=torch.float64).std().item()
+                 for g in groups.values() if len(g) > 1]
+    tokens = [sum(ep.chat.sampled) for ep in ok if ep.chat is not None]
+    out.update({
+        SUCCESS: _mean([float(ep.success) for ep in ok]),
+        PASS_AT_K: _mean([float(any(e.success for e in g)) for g in groups.values()]),
+        RETURN_MEAN: returns.mean().item(),
+        RETURN_STD: returns.std().item() if len(ok) > 1 else 0.0,
+        GROUP_REWARD_STD: _mean(group_std),
+        TURNS: _mean([ep.turns for ep in ok]),
+        ACTIONS: _mean([ep.actions for ep in ok]),
+        VALID_ACTION_RATE: sum(ep.valid_actions for ep in ok) / max(1, sum(ep.actions for ep in ok)),
+        EFFECTIVE_ACTION_RATE: sum(ep.effective_actions for ep in ok) / max(1, sum(ep.actions for ep in ok)),
+        FORMAT_ERROR_RATE: sum(ep.format_errors for ep in ok) / max(1, sum(ep.turns for ep in ok)),
+        RESPONSE_TOKENS: _mean(tokens),
+        RESPONSE_TOKENS_PER_TURN: sum(tokens) / max(1, sum(ep.turns for ep in ok)),
+        TRUNCATED: _mean([float(ep.truncated) for ep in ok]),
+    })
+    return out
+
+
+def rollout_metrics(episodes: Sequence[Episode], prefix: str = "rollout") -> dict[str, Tensor]:
+    """Batch-wide metrics under ``prefix/``, and per env tag under ``prefix/<tag>/`` when there are several tags."""
+    out = {f"{prefix}/{k}": torch.tensor(v) for k, v in episode_metrics(episodes).items()}
+    by_tag: dict[str, list[Episode]] = defaultdict(list)
+    for ep in episodes:
+        by_tag[ep.env.tag].append(ep)
+    if len(by_tag) > 1:
+        for tag, eps in by_tag.items():
+            out.update({f"{prefix}/{tag}/{k}": torch.tensor(v) for k, v in episode_metrics(eps).items()})
+    return out

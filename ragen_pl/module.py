@@ -1,0 +1,498 @@
+"""RagenModule: the StarPO update as a LightningModule.
+
+Owns the policy (a Hugging Face causal LM), the critic (when the advantage estimator needs one), the optional frozen
+reference policy (only when a KL term is on), the advantage estimator and the losses. It holds no env and no
+rollout state: :class:`ragen_pl.data.RolloutDataModule` yields one rollout batch per training step.
+
+One training step is one StarPO iteration: score the rollout with the current weights (old log-probs, values,
+reference log-probs), compute advantages, then ``ppo_epochs`` passes of mini-batch updates with gradient
+accumulation over micro-batches. ``training_step`` takes the ``dataloader_iter`` so that Lightning does not
+prefetch the next batch: the next rollout must be sampled *after* this update, or it would be off-policy.
+
+Optimisation is manual (two optimisers, several updates per iteration). Each mini-batch update steps the torch
+optimisers directly; one no-op Lightning optimiser step at the end of the iteration makes ``trainer.global_step``
+count iterations, so ``max_steps`` and checkpoint intervals are in iterations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from typing_extensions import override
+
+from ragen_pl.advantages import GAE, Advantage, masked_mean
+from ragen_pl.losses import aggregate, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss, value_loss
+from ragen_pl.rewards import RewardNorm
+from ragen_pl.types import KLEstimator, LossAgg, TrajectoryBatch
+
+
+@dataclass
+class PPOConfig:
+    """The update. Defaults are StarPO-S's (paper: clip 0.2/0.28, no KL, entropy 0.001, mini-batch 32)."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 32
+    """Trajectories per optimiser step (per process)."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward (gradient accumulation inside a mini-batch)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (epsilon_low)."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (epsilon_high, "clip-higher"); set equal to clip_low for symmetric PPO."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages; None turns it off."""
+    entropy_coeff: float = 0.001
+    """Weight of the entropy bonus."""
+    kl_coeff: float = 0.0
+    """Weight of KL(policy || reference); 0 (StarPO-S) loads no reference model. Vanilla StarPO uses 0.001."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator: k1, k2 or k3 (low variance)."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """Add the KL as a loss term, or subtract it from token rewards before advantages."""
+    value_clip: float | None = 0.5
+    """Clip range of the critic's value update; None turns clipping off."""
+    vf_coeff: float = 0.5
+    """Weight of the value loss when the critic shares the policy's trunk."""
+    loss_agg: LossAgg = "token-mean"
+    """How token losses are reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
+    grad_clip: float = 1.0
+    """Max gradient norm per optimiser step."""
+    temperature: float = 1.0
+    """Log-probs are scored at the rollout temperature (logits / temperature), as sampled."""
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`model.ppo.{name}` must be an integer >= 1, got {v!r}")
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ValueError(
+                f"`model.ppo.micro_batch_size` ({self.micro_batch_size}) must be <= `model.ppo.mini_batch_size` "
+                f"({self.mini_batch_size})"
+            )
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ValueError(f"`model.ppo.clip_low` must be in [0, 1) and `clip_high` >= 0, got "
+                             f"{self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"`model.ppo.dual_clip` must be > 1 or null, got {self.dual_clip}")
+        for name in ("entropy_coeff", "kl_coeff", "vf_coeff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`model.ppo.{name}` must be >= 0, got {getattr(self, name)}")
+        if self.kl_mode not in ("loss", "reward"):
+            raise ValueError(f"`model.ppo.kl_mode` must be 'loss' or 'reward', got {self.kl_mode!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"`model.ppo.kl_estimator` must be one of k1, k2, k3, got {self.kl_estimator!r}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+            raise ValueError(f"`model.ppo.loss_agg` must be one of token-mean, seq-mean-token-sum, "
+                             f"seq-mean-token-mean, got {self.loss_agg!r}")
+        if self.grad_clip <= 0 or self.temperature <= 0:
+            raise ValueError(f"`model.ppo.grad_clip` and `temperature` must be > 0, got {self.grad_clip}, "
+                             f"{self.temperature}")
+
+
+@dataclass
+class OptimConfig:
+    """Optimisers: AdamW for actor and critic, linear warmup then constant."""
+
+    actor_lr: float = 1e-6
+    """Actor learning rate (paper: 1e-6)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (paper: 1e-5)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Iterations of linear learning-rate warmup."""
+
+    def __post_init__(self) -> None:
+        if self.actor_lr <= 0 or self.critic_lr <= 0:
+            raise ValueError(f"`model.optim.actor_lr` and `critic_lr` must be > 0, got {self.actor_lr}, "
+                             f"{self.critic_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"`model.optim.warmup_steps` must be >= 0, got {self.warmup_steps}")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft (paper variant: rank 64, alpha 64, all linear layers)."""
+
+    r: int = 64
+    """Rank."""
+    alpha: int = 64
+    """Scaling alpha."""
+    dropout: float = 0.0
+    """Dropout on the LoRA path."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters."""
+
+
+class ValueModel(nn.Module):
+    """A critic: a transformer trunk and a linear value head.
+
+    ``values[:, t]`` is the value of the state *before* token t, read from the hidden state at t - 1 (the same
+    alignment as ``logprobs``); position 0 is 0.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return _shift_values(self.head(hidden).squeeze(-1))
+
+
+def _shift_values(v: Tensor) -> Tensor:
+    return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1).float()
+
+
+class RagenModule(pl.LightningModule):
+    def __init__(
+        self,
+        model: str,
+        advantage: Advantage | None = None,
+        ppo: PPOConfig | None = None,
+        optim: OptimConfig | None = None,
+        reward_norm: RewardNorm | None = None,
+        critic: Literal["separate", "shared"] = "separate",
+        lora: LoraSettings | None = None,
+        gradient_checkpointing: bool = False,
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            model: hub id (``Qwen/Qwen2.5-0.5B-Instruct``) or local folder of the policy; the critic starts from
+                the same checkpoint, as in the paper.
+            advantage: estimator (default GAE with gamma = lambda = 1). Critic-free ones (GRPO, ...) build no critic.
+            ppo: update settings.
+            optim: optimiser settings.
+            reward_norm: trajectory reward normalisation (default off).
+            critic: a separate value model (paper) or a value head on the policy's own trunk.
+            lora: train LoRA adapters instead of all weights (needs ``pip install 'ragen-pl[peft]'``).
+            gradient_checkpointing: trade compute for activation memory.
+            dtype: weights dtype; use bf16-mixed precision in the trainer for bf16 compute on GPU.
+            seed: seed of the mini-batch shuffling generator.
+        """
+        super().__init__()
+        self.automatic_optimization = False
+        self.model_name = model
+        self.advantage = advantage if advantage is not None else GAE()
+        self.ppo = ppo or PPOConfig()
+        self.optim = optim or OptimConfig()
+        self.reward_norm = reward_norm or RewardNorm()
+        if critic not in ("separate", "shared"):
+            raise ValueError(f"`model.critic` must be 'separate' or 'shared', got {critic!r}")
+        self.critic_mode = critic
+        self.lora = lora
+        self.gradient_checkpointing = gradient_checkpointing
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"`model.dtype` must be 'float32' or 'bfloat16', got {dtype!r}")
+        self.torch_dtype = getattr(torch, dtype)
+        self.seed = seed
+        self.save_hyperparameters(ignore=["advantage"])
+        self.tokenizer, self.policy = self._load_policy()
+        self.uses_critic = type(self.advantage).needs_critic
+        self.critic: nn.Module | None = None
+        self.value_head: nn.Linear | None = None
+        if self.uses_critic and critic == "separate":
+            self.critic = self._load_critic()
+        elif self.uses_critic:
+            self.value_head = nn.Linear(self.policy.config.hidden_size, 1)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+        self.reference: nn.Module | None = None
+        if self.ppo.kl_coeff > 0 and self.lora is None:  # with LoRA the reference is the base, adapters off
+            self.reference = self._load_causal_lm().eval().requires_grad_(False)
+        self.shuffle = torch.Generator().manual_seed(seed)
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------------------------------- models
+    def _load_causal_lm(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.torch_dtype)
+
+    def _load_policy(self):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        policy = self._load_causal_lm()
+        if self.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+            policy.config.use_cache = False
+        if self.lora is not None:
+            try:
+                from peft import LoraConfig, get_peft_model
+            except ImportError as err:
+                raise ImportError("`model.lora` needs peft: pip install 'ragen-pl[peft]'") from err
+            policy = get_peft_model(policy, LoraConfig(
+                r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+                target_modules=self.lora.target_modules, task_type="CAUSAL_LM",
+            ))
+        return tokenizer, policy
+
+    def _load_critic(self) -> ValueModel:
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(self.model_name, dtype=self.torch_dtype)
+        if self.gradient_checkpointing:
+            backbone.gradient_checkpointing_enable()
+        return ValueModel(backbone, backbone.config.hidden_size)
+
+    @override
+    def configure_model(self) -> None:
+        """Shard with FSDP2 when the trainer runs ``ModelParallelStrategy`` (every decoder layer, then the root)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for model in (self.policy, self.critic, self.reference):
+            if model is None:
+                continue
+            for module in model.modules():
+                if type(module).__name__.endswith("DecoderLayer"):
+                    fully_shard(module, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+
+    @override
+    def configure_optimizers(self):
+        o = self.optim
+        actor_params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            actor_params += list(self.value_head.parameters())
+        opts = [torch.optim.AdamW(actor_params, lr=o.actor_lr, betas=o.betas, weight_decay=o.weight_decay)]
+        if self.critic is not None:
+            opts.append(torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr, betas=o.betas,
+                                          weight_decay=o.weight_decay))
+        warmup = o.warmup_steps
+        scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / (warmup + 1)) if warmup
+                                                    else 1.0) for opt in opts]
+        return opts, scheds
+
+    # ---------------------------------------------------------------------------------------- scoring
+    def score(self, model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, entropy: bool = False,
+              values: bool = False) -> dict[str, Tensor]:
+        """Log-probs (B, T) of ``ids`` under ``model``, and optionally entropy (B, T) and shared-trunk values.
+
+        Only the positions in ``mask`` go through the float32 log-softmax, so the (B, T, V) float32 tensor is
+        never built.
+        """
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values)
+        target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
+        logits = out.logits[:, :-1][target] / self.ppo.temperature  # (N, V)
+        lp = logprobs_from_logits(logits, ids[:, 1:][target])
+        pad = torch.zeros_like(mask[:, :1], dtype=torch.float32)
+        result = {"logprobs": torch.cat([pad, torch.zeros_like(target, dtype=lp.dtype).masked_scatter(target, lp)], 1)}
+        if entropy:
+            ent = entropy_from_logits(logits)
+            result["entropy"] = torch.cat([pad, torch.zeros_like(target, dtype=ent.dtype).masked_scatter(target, ent)], 1)
+        if values:
+            assert self.value_head is not None
+            result["values"] = _shift_values(self.value_head(out.hidden_states[-1].to(self.value_head.weight.dtype))
+                                             .squeeze(-1))
+        return result
+
+    @torch.no_grad()
+    def prepare(self, batch: TrajectoryBatch) -> dict[str, Tensor]:
+        """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place."""
+        mb = self.ppo.micro_batch_size
+        old, vals, ref = [], [], []
+        for idx in torch.arange(len(batch)).split(mb):
+            part = batch.select(idx)
+            T = int(part.attention_mask.sum(-1).max())
+            ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+            s = self.score(self.policy, ids, attn, mask, values=self.value_head is not None)
+            old.append(_pad_to(s["logprobs"], batch.input_ids.shape[1]))
+            if self.critic is not None:
+                vals.append(_pad_to(self.critic(ids, attn), batch.input_ids.shape[1]))
+            elif "values" in s:
+                vals.append(_pad_to(s["values"], batch.input_ids.shape[1]))
+            if self.ppo.kl_coeff > 0:
+                ref.append(_pad_to(self._reference_logprobs(ids, attn, mask), batch.input_ids.shape[1]))
+        batch.old_logprobs = torch.cat(old)
+        if vals:
+            batch.values = torch.cat(vals)
+        if ref:
+            batch.ref_logprobs = torch.cat(ref)
+        metrics: dict[str, Tensor] = {}
+        if self.reward_norm.method != "identity":
+            # The normalised trajectory score replaces the token rewards, on the last sampled token (RAGEN's rule).
+            scores = self.reward_norm(batch.scores, batch.group_ids, batch.env_tags)
+            last = _last_true(batch.loss_mask)
+            batch.rewards = torch.zeros_like(batch.rewards).scatter(1, last[:, None], scores[:, None].float())
+        if self.ppo.kl_coeff > 0 and self.ppo.kl_mode == "reward":
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.ppo.kl_estimator)
+            batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
+            metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
+        batch.advantages, batch.returns = self.advantage(batch)
+        metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)
+        metrics["adv/abs_mean"] = masked_mean(batch.advantages.abs(), batch.loss_mask)
+        if batch.values is not None:
+            metrics["critic/values_mean"] = masked_mean(batch.values, batch.loss_mask)
+            metrics["critic/returns_mean"] = masked_mean(batch.returns, batch.loss_mask)
+        return metrics
+
+    def _reference_logprobs(self, ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
+        if self.reference is not None:
+            return self.score(self.reference, ids, attn, mask)["logprobs"]
+        with self.policy.disable_adapter():  # LoRA: the base model is the reference
+            return self.score(self.policy, ids, attn, mask)["logprobs"]
+
+    # ----------------------------------------------------------------------------------------- update
+    def _norm_count(self, mask: Tensor) -> Tensor:
+        """The denominator of the loss aggregation, over a whole mini-batch."""
+        if self.ppo.loss_agg == "token-mean":
+            return mask.sum().clamp(min=1)
+        return mask.any(-1).sum().clamp(min=1)
+
+    def micro_loss(self, part: TrajectoryBatch, mini_count: Tensor) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch."""
+        p = self.ppo
+        T = int(part.attention_mask.sum(-1).max())
+        ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+        scale = self._norm_count(mask) / mini_count
+        s = self.score(self.policy, ids, attn, mask, entropy=True, values=self.value_head is not None)
+        pg, metrics = policy_loss(s["logprobs"], part.old_logprobs[:, :T], part.advantages[:, :T], mask,
+                                  p.clip_low, p.clip_high, p.dual_clip, p.loss_agg)
+        ent = aggregate(s["entropy"], mask, p.loss_agg)
+        actor = pg - p.entropy_coeff * ent
+        metrics["loss/policy"] = pg.detach()
+        metrics["loss/entropy"] = ent.detach()
+        if p.kl_coeff > 0 and p.kl_mode == "loss":
+            kl = aggregate(kl_penalty(s["logprobs"], part.ref_logprobs[:, :T], p.kl_estimator), mask, p.loss_agg)
+            actor = actor + p.kl_coeff * kl
+            metrics["loss/kl"] = kl.detach()
+        critic = None
+        if self.uses_critic:
+            values = self.critic(ids, attn) if self.critic is not None else s["values"]
+            vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg)
+            metrics.update(vm)
+            metrics["loss/value"] = vf.detach()
+            if self.critic is None:
+                actor = actor + p.vf_coeff * vf
+            else:
+                critic = vf * scale
+        return actor * scale, critic, metrics
+
+    @override
+    def training_step(self, dataloader_iter) -> None:
+        rollout, _, _ = next(dataloader_iter)
+        batch: TrajectoryBatch = rollout.batch.to(self.device)
+        metrics = {k: v for k, v in rollout.metrics.items()}
+        metrics.update(self.prepare(batch))
+        metrics.update(self.update(batch))
+        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}, on_step=True,
+                      batch_size=len(batch))
+        # One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
+        # exactly one per iteration (see the module docstring).
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        opts[0].step()
+        scheds = self.lr_schedulers()
+        for sched in scheds if isinstance(scheds, list) else [scheds]:
+            sched.step()
+
+    def update(self, batch: TrajectoryBatch) -> dict[str, Tensor]:
+        p = self.ppo
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        raw = [o.optimizer for o in opts]
+        actor_params = [q for group in raw[0].param_groups for q in group["params"]]
+        critic_params = [q for group in raw[1].param_groups for q in group["params"]] if len(raw) > 1 else []
+        sums: dict[str, list[Tensor]] = {}
+        n = len(batch)
+        steps = 0
+        for _ in range(p.ppo_epochs):
+            perm = torch.randperm(n, generator=self.shuffle).to(batch.input_ids.device)
+            for start in range(0, n, p.mini_batch_size):
+                idx = perm[start:start + p.mini_batch_size]
+                mini_count = self._norm_count(batch.loss_mask[idx])
+                for opt in raw:
+                    opt.zero_grad(set_to_none=True)
+                for micro in idx.split(p.micro_batch_size):
+                    actor, critic, m = self.micro_loss(batch.select(micro), mini_count)
+                    total = actor if critic is None else actor + critic
+                    self.manual_backward(total)
+                    for k, v in m.items():
+                        sums.setdefault(k, []).append(v)
+                norms = [torch.nn.utils.clip_grad_norm_(actor_params, p.grad_clip)]
+                if critic_params:
+                    norms.append(torch.nn.utils.clip_grad_norm_(critic_params, p.grad_clip))
+                norms = [_full(x) for x in norms]
+                sums.setdefault("actor/grad_norm", []).append(norms[0])
+                if critic_params:
+                    sums.setdefault("critic/grad_norm", []).append(norms[1])
+                if not all(torch.isfinite(x) for x in norms):
+                    # A non-finite loss or gradient never reaches the weights: drop this step and count it.
+                    self.skipped_steps += 1
+                    rank_zero_info(f"skipping an optimiser step with non-finite gradient norm {norms}")
+                    for opt in raw:
+                        opt.zero_grad(set_to_none=True)
+                    continue
+                for opt in raw:
+                    opt.step()
+                steps += 1
+        out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).nanmean() for k, v in sums.items()}
+        out["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
+        out["train/optimizer_steps"] = torch.tensor(float(steps))
+        return out
+
+    # ------------------------------------------------------------------------------------- validation
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in batch.items()},
+                      add_dataloader_idx=False, batch_size=1)
+
+    @override
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validation_step(batch, batch_idx, dataloader_idx)
+
+    # ---------------------------------------------------------------------------------- checkpointing
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ragen_pl"] = {"shuffle": self.shuffle.get_state(), "skipped_steps": self.skipped_steps}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("ragen_pl", {})
+        if "shuffle" in state:
+            self.shuffle.set_state(state["shuffle"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def _pad_to(x: Tensor, T: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+
+
+def _last_true(mask: Tensor) -> Tensor:
+    """(B,) index of the last true position per row (0 if none)."""
+    T = mask.shape[1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask, pos, -1).max(-1).values.clamp(min=0)
+
+
+def _full(x: Tensor) -> Tensor:
+    """A DTensor's full value (FSDP2 gradient norms), else the tensor itself."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+__all__ = ["LoraSettings", "OptimConfig", "PPOConfig", "RagenModule", "ValueModel"]

@@ -1,0 +1,170 @@
+"""The embedded default rollout engine: Hugging Face transformers with a KV cache, on CPU or GPU.
+
+It samples with the trained policy's own modules (no weight copy, so no sync is needed) and records the log-prob of
+every sampled token under the sampling distribution (temperature, top-k and top-p applied). The decode loop is
+written out rather than calling ``model.generate`` so that per-token log-probs cost one gather instead of keeping
+``(B, V)`` scores for every step, and so that finished rows leave the batch (and the KV cache) at once.
+
+Under FSDP every rank must run the same number of forward passes (each all-gathers parameters), so with
+``sync_ranks`` a rank that has finished keeps stepping with a one-token dummy input until every rank is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
+
+
+def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of (N, V) logits; return ids (N,) and their log-probs (N,) after processing."""
+    logits = logits.float()
+    if params.temperature == 0:
+        ids = logits.argmax(-1)
+        return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop_sorted = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keeps at least the top token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class HFEngine(RolloutEngine):
+    """Batched sampling with a transformers causal LM (entry name ``hf``).
+
+    The engine is built empty; :meth:`bind` gives it the policy and tokenizer (the data module does this in
+    ``setup``, so the config never names the model twice).
+    """
+
+    def __init__(self, seed: int = 0, sync_ranks: bool | None = None) -> None:
+        """
+        Args:
+            seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
+            sync_ranks: keep every rank stepping until all are done (needed when parameters are sharded);
+                ``None`` turns it on whenever torch.distributed is initialised.
+        """
+        self.seed = seed
+        self.sync_ranks = sync_ranks
+        self.model: nn.Module | None = None
+        self.tokenizer = None
+        self.generator: torch.Generator | None = None
+
+    def bind(self, model: nn.Module, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        device = next(model.parameters()).device
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    # ---- checkpointing of the sampling RNG
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state() if self.generator is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("generator") is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
+    def _sync(self) -> bool:
+        return self.sync_ranks if self.sync_ranks is not None else (dist.is_available() and dist.is_initialized())
+
+    def _any_rank(self, flag: bool, device: torch.device) -> bool:
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.model is None:
+            raise RuntimeError("HFEngine.generate called before bind(model, tokenizer)")
+        model, tok = self.model, self.tokenizer
+        device = next(model.parameters()).device
+        sync = self._sync()
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(model, tok, prompts, params, device, sync)
+        finally:
+            model.train(was_training)
+
+    def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+
+    def _generate(self, model, tok, prompts, params, device, sync) -> list[Generation]:
+        from transformers import DynamicCache
+
+        n = len(prompts)
+        if sync and not self._any_rank(n > 0, device):
+            return []
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str] = ["length"] * n
+        rows = list(range(n))  # prompt index of each live row
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        stops = [s for s in params.stop if s]
+        cache = DynamicCache()
+        if n:
+            width = max(len(p) for p in prompts)
+            input_ids = torch.full((n, width), pad, dtype=torch.long)
+            attention = torch.zeros((n, width), dtype=torch.long)
+            for i, p in enumerate(prompts):  # left padding: every row's newest token sits in the last column
+                input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+                attention[i, width - len(p):] = 1
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1]
+            next_pos = positions[:, -1:] + 1
+        else:  # nothing here, but other ranks generate: keep pace with them
+            self._dummy_forward(model, device)
+        for step in range(params.max_new_tokens):
+            if rows:
+                ids, lps = sample_next(logits, params, self.generator)
+                ids_l, lps_l = ids.tolist(), lps.tolist()
+                keep = []
+                for j, i in enumerate(rows):
+                    tokens[i].append(ids_l[j])
+                    logprobs[i].append(lps_l[j])
+                    if ids_l[j] in eos:
+                        reasons[i] = "eos"
+                    elif stops and _ends_with_stop(tok, tokens[i], stops):
+                        reasons[i] = "stop"
+                    else:
+                        keep.append(j)
+                if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
+                    rows = [rows[j] for j in keep]
+                    if keep:
+                        index = torch.tensor(keep, device=device)
+                        cache.batch_select_indices(index)
+                        ids, attention, next_pos = ids[index], attention[index], next_pos[index]
+            local_live = bool(rows) and step < params.max_new_tokens - 1
+            # Every rank does one all-reduce and one forward per step, so sharded forwards stay in lockstep.
+            if not (self._any_rank(local_live, device) if sync else local_live):
+                break
+            if not local_live:
+                self._dummy_forward(model, device)
+                continue
+            attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=-1)
+            out = model(input_ids=ids[:, None], attention_mask=attention, position_ids=next_pos,
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        return [Generation(tokens[i], logprobs[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+
+
+def _ends_with_stop(tok, ids: list[int], stops: list[str]) -> bool:
+    """Whether the decoded text of ``ids`` now contains a stop string that ends in its newest token."""
+    longest = max(len(s) for s in stops)
+    tail = ids[-longest:]  # every token has at least one character, so this covers the longest stop string
+    text = tok.decode(tail, skip_special_tokens=False)
+    before = tok.decode(tail[:-1], skip_special_tokens=False) if len(tail) > 1 else ""
+    return any(s in text and s not in before for s in stops)

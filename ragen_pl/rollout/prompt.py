@@ -1,0 +1,77 @@
+"""Prompt text and answer parsing for StarPO's multi-turn format (RAGEN's).
+
+Each turn the model answers ``<think>...</think><answer>...</answer>`` (or ``<answer>...</answer>`` in no-think
+mode); several actions may be given in one answer separated by ``||``. The prompt starts the answer with the opening
+tag, so the sampled text continues after it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
+
+_THINK_ANSWER = re.compile(r"^\s*(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER = re.compile(r"^\s*(.*?)</answer>", re.DOTALL)
+#: Answers longer than this are not parsed (no env accepts them), which bounds the regex work on hostile text.
+MAX_ANSWER_CHARS = 20_000
+
+
+@dataclass
+class ParsedAnswer:
+    actions: list[str] = field(default_factory=list)
+    """Actions in order, stripped, at most ``max_actions``."""
+    think: str = ""
+    format_ok: bool = False
+    """The text matched the expected tags (an empty answer still fails)."""
+
+
+def parse_answer(completion: str, think: bool = True, max_actions: int = 5) -> ParsedAnswer:
+    """Parse the text the model wrote after the prompt's opening tag (``<think>`` or ``<answer>``).
+
+    Nested or unclosed tags, extra tags inside the answer, and empty answers fail the format check. Only the first
+    ``max_actions`` actions are kept (the paper caps actions per turn).
+    """
+    if len(completion) > MAX_ANSWER_CHARS + 64:
+        return ParsedAnswer()
+    if think:
+        m = _THINK_ANSWER.match(completion)
+        if not m:
+            return ParsedAnswer()
+        thought, answer = m.group(1).strip(), m.group(2)
+        if "<think>" in thought or "<answer>" in thought:
+            return ParsedAnswer()
+    else:
+        m = _ANSWER.match(completion)
+        if not m:
+            return ParsedAnswer()
+        thought, answer = "", m.group(1)
+    if any(tag in answer for tag in ("<answer>", "<think>", "</think>")):
+        return ParsedAnswer(think=thought)
+    actions = [a.strip() for a in answer.split("||", max_actions)[:max_actions]]
+    actions = [a for a in actions if a]
+    if not actions or len(answer) > MAX_ANSWER_CHARS:
+        return ParsedAnswer(think=thought)
+    return ParsedAnswer(actions=actions, think=thought, format_ok=True)
+
+
+def format_instruction(think: bool, max_actions_per_turn: int, max_tokens: int) -> str:
+    if think:
+        shape = "<think> [your thoughts] </think> <answer> [your answer] </answer>"
+    else:
+        shape = "<answer> [your answer] </answer>"
+    return (
+        f"Always output: {shape} with no extra text. You may give up to {max_actions_per_turn} actions separated "
+        f"by ' || '. Max response length: {max_tokens} tokens."
+    )
+
+
+def first_user_message(instructions: str, observation: str, actions_left: int, fmt: str) -> str:
+    return f"{instructions}\n\nTurn 1:\nState:\n{observation}\nYou have {actions_left} actions left. {fmt}"
+
+
+def next_user_message(turn: int, reward: float, observation: str, actions_left: int, fmt: str) -> str:
+    return (
+        f"Reward: {reward:g}\n\nTurn {turn}:\nState:\n{observation}\nYou have {actions_left} actions left. {fmt}"
+    )
