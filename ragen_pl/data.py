@@ -1,9 +1,9 @@
 """RolloutDataModule: fresh on-policy trajectories for every StarPO iteration.
 
 Owns the envs, the rollout engine and the filter, because together they decide which trajectories exist. Each
-training batch is one iteration's rollout: ``n_groups`` initial states (one env seed per group) x ``group_size``
-trajectories, played with the current weights, filtered, and handed to :class:`ragen_pl.module.RagenModule`, which
-splits it into mini-batches. With ``rollout_every_n_steps > 1`` a rollout is reused for that many steps.
+training batch is one iteration's rollout: ``n_groups`` initial states (one env seed per group; groups go
+round-robin over the training envs when there are several) x ``group_size`` trajectories, played with the current
+weights, filtered, and handed to :class:`ragen_pl.module.RagenModule`, which splits it into mini-batches. With ``rollout_every_n_steps > 1`` a rollout is reused for that many steps.
 
 With several processes each rank plays ``n_groups / world_size`` groups. The filter ranks *all* groups: the
 per-trajectory stats are all-gathered, so "keep the top 25%" means 25% of the global batch. Ranks then pad their
@@ -68,7 +68,7 @@ class _Once(IterableDataset):
 class RolloutDataModule(pl.LightningDataModule):
     def __init__(
         self,
-        env: Env,
+        env: Env | list[Env],
         n_groups: int = 8,
         group_size: int = 16,
         engine: RolloutEngine | None = None,
@@ -83,13 +83,14 @@ class RolloutDataModule(pl.LightningDataModule):
     ) -> None:
         """
         Args:
-            env: the training env (a prototype: every trajectory plays a fresh copy).
+            env: the training env, or several (group k plays env k mod len(envs); metrics are kept per tag). Each
+                is a prototype: every trajectory plays a fresh copy.
             n_groups: initial states per iteration (paper: 8).
             group_size: trajectories per initial state (paper: 16).
             engine: rollout engine (default: the embedded Hugging Face engine).
             filter: trajectory filter (default: StarPO-S's variance top-25%).
             rollout: turn, action and sampling budgets.
-            val_envs: envs evaluated in validation and test (default: the training env); tags must differ.
+            val_envs: envs evaluated in validation and test (default: the training envs); tags must differ.
             val_episodes: fixed-seed evaluation episodes per env (paper: 256).
             val_temperature: sampling temperature in evaluation (paper: 0.5).
             rollout_every_n_steps: a new rollout every N training steps (1 = always on-policy).
@@ -103,15 +104,18 @@ class RolloutDataModule(pl.LightningDataModule):
                 raise ValueError(f"`data.{name}` must be an integer >= {low}, got {value!r}")
         if val_temperature < 0:
             raise ValueError(f"`data.val_temperature` must be >= 0, got {val_temperature}")
-        self.env = env
+        self.envs = list(env) if isinstance(env, (list, tuple)) else [env]
+        if not self.envs:
+            raise ValueError("`data.env` must name at least one env")
+        for name, envs in (("env", self.envs), ("val_envs", val_envs or [])):
+            tags = [e.tag for e in envs]
+            if len(set(tags)) != len(tags):
+                raise ValueError(f"`data.{name}` must have distinct tags (set `tag:` on variants), got {tags}")
         self.n_groups, self.group_size = n_groups, group_size
         self.engine = engine if engine is not None else HFEngine()
         self.filter = filter if filter is not None else VarianceTopP()
         self.rollout_config = rollout or RolloutConfig()
-        self.val_envs = list(val_envs) if val_envs else [env]
-        tags = [e.tag for e in self.val_envs]
-        if len(set(tags)) != len(tags):
-            raise ValueError(f"`data.val_envs` must have distinct tags (set `tag:` on variants), got {tags}")
+        self.val_envs = list(val_envs) if val_envs else list(self.envs)
         self.val_episodes, self.val_temperature = val_episodes, val_temperature
         self.rollout_every_n_steps = rollout_every_n_steps
         self.seed, self.val_seed = seed, val_seed
@@ -156,7 +160,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rank, world = self.world
         local = self.n_groups // world
         first_group = self.iteration * self.n_groups + rank * local
-        specs = [EpisodeSpec(self.env, seed=self.seed + g, group_id=g)
+        specs = [EpisodeSpec(self.envs[g % len(self.envs)], seed=self.seed + g, group_id=g)
                  for g in range(first_group, first_group + local) for _ in range(self.group_size)]
         result = self.collector.collect(specs)
         self.iteration += 1

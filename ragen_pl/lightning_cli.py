@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
@@ -36,6 +37,9 @@ class RagenCLI(LightningCLI):
 
 def run_lightning_cli(argv: list[str]) -> int:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # RagenModule takes `dataloader_iter` on purpose: no prefetch, so each rollout uses the latest weights.
+    warnings.filterwarnings("ignore", message=".*dataloader_iter.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         RagenCLI(

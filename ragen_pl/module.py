@@ -16,7 +16,7 @@ count iterations, so ``max_steps`` and checkpoint intervals are in iterations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -173,8 +173,9 @@ class RagenModule(pl.LightningModule):
     ) -> None:
         """
         Args:
-            model: hub id (``Qwen/Qwen2.5-0.5B-Instruct``) or local folder of the policy; the critic starts from
-                the same checkpoint, as in the paper.
+            model: hub id (``Qwen/Qwen2.5-0.5B-Instruct``) or local folder of the policy, or ``ragen-pl/tiny`` for
+                the embedded tiny model (built offline on first use). The critic starts from the same checkpoint,
+                as in the paper.
             advantage: estimator (default GAE with gamma = lambda = 1). Critic-free ones (GRPO, ...) build no critic.
             ppo: update settings.
             optim: optimiser settings.
@@ -187,7 +188,9 @@ class RagenModule(pl.LightningModule):
         """
         super().__init__()
         self.automatic_optimization = False
-        self.model_name = model
+        from ragen_pl.tiny import resolve_model
+
+        self.model_name = resolve_model(model)  # `ragen-pl/tiny` names the embedded tiny model
         self.advantage = advantage if advantage is not None else GAE()
         self.ppo = ppo or PPOConfig()
         self.optim = optim or OptimConfig()
@@ -201,7 +204,11 @@ class RagenModule(pl.LightningModule):
             raise ValueError(f"`model.dtype` must be 'float32' or 'bfloat16', got {dtype!r}")
         self.torch_dtype = getattr(torch, dtype)
         self.seed = seed
-        self.save_hyperparameters(ignore=["advantage"])
+        # Plain values only, so checkpoints load with torch's safe `weights_only` unpickler.
+        self.save_hyperparameters(ignore=["advantage", "ppo", "optim", "reward_norm", "lora"])
+        self.hparams.update(ppo=asdict(self.ppo), optim=asdict(self.optim), reward_norm=asdict(self.reward_norm),
+                            lora=asdict(lora) if lora is not None else None,
+                            advantage=f"{type(self.advantage).__module__}.{type(self.advantage).__qualname__}")
         self.tokenizer, self.policy = self._load_policy()
         self.uses_critic = type(self.advantage).needs_critic
         self.critic: nn.Module | None = None
@@ -215,6 +222,10 @@ class RagenModule(pl.LightningModule):
         self.reference: nn.Module | None = None
         if self.ppo.kl_coeff > 0 and self.lora is None:  # with LoRA the reference is the base, adapters off
             self.reference = self._load_causal_lm().eval().requires_grad_(False)
+        # transformers loads models in eval mode; the trained ones train (the reference stays in eval).
+        self.policy.train()
+        if self.critic is not None:
+            self.critic.train()
         self.shuffle = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
 

@@ -116,6 +116,54 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
     return tok
 
 
+#: The entry in a config's ``model:`` field that names the warm-started tiny model.
+TINY_MODEL_ID = "ragen-pl/tiny"
+
+
+def warm_start_rollout():
+    """The rollout settings the tiny model is warm-started with; the quickstart configs use the same."""
+    from ragen_pl.rollout.collector import RolloutConfig
+
+    return RolloutConfig(max_turns=3, max_actions_per_turn=2, max_actions_per_episode=6, max_new_tokens=24)
+
+
+def resolve_model(name: str) -> str:
+    """``ragen-pl/tiny`` -> the folder of the warm-started tiny model (built on first use); anything else as is."""
+    if name == TINY_MODEL_ID:
+        return str(build_warm_tiny_model())
+    return name
+
+
+def build_warm_tiny_model(config: TinyConfig | None = None, steps: int = 400, episodes: int = 150,
+                          overwrite: bool = False) -> Path:
+    """The tiny model after a short SFT warm start on random legal play (format and action names, no skill)."""
+    from ragen_pl.envs.bandit import Bandit
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.sft import demonstrations, sft
+
+    config = config or TinyConfig()
+    out = cache_dir() / f"tiny-qwen2-{config.key()}-warm{steps}x{episodes}"
+    if (out / "config.json").exists() and not overwrite:
+        return out
+    base = build_tiny_model(config=config)
+    # The Trader/Librarian bandit stays out: it is the held-out variant for generalisation tests.
+    envs = [Bandit(), FrozenLake(), Sokoban()]
+    records = demonstrations(envs, episodes, warm_start_rollout(), seed=config.seed)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    sft(base, records, tmp, steps=steps, lr=3e-3, batch_size=16, seed=config.seed, progress=False)
+    _replace(tmp, out)
+    return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    import shutil
+
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic: a crash mid-build never leaves a half-written model behind
+
+
 def build_tiny_model(path: str | os.PathLike | None = None, config: TinyConfig | None = None,
                      overwrite: bool = False) -> Path:
     """Build (once) and save the tiny policy; return its folder, loadable with ``from_pretrained``."""
@@ -145,10 +193,5 @@ def build_tiny_model(path: str | os.PathLike | None = None, config: TinyConfig |
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)  # atomic: a crash mid-build never leaves a half-written model behind
+    _replace(tmp, out)
     return out

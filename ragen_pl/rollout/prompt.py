@@ -14,8 +14,8 @@ SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
 
 _THINK_ANSWER = re.compile(r"^\s*(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
 _ANSWER = re.compile(r"^\s*(.*?)</answer>", re.DOTALL)
-#: Answers longer than this are not parsed (no env accepts them), which bounds the regex work on hostile text.
-MAX_ANSWER_CHARS = 20_000
+#: Completions longer than this are not parsed (a format failure), which bounds the regex work on hostile text.
+MAX_COMPLETION_CHARS = 2_000_000
 
 
 @dataclass
@@ -33,7 +33,7 @@ def parse_answer(completion: str, think: bool = True, max_actions: int = 5) -> P
     Nested or unclosed tags, extra tags inside the answer, and empty answers fail the format check. Only the first
     ``max_actions`` actions are kept (the paper caps actions per turn).
     """
-    if len(completion) > MAX_ANSWER_CHARS + 64:
+    if len(completion) > MAX_COMPLETION_CHARS:
         return ParsedAnswer()
     if think:
         m = _THINK_ANSWER.match(completion)
@@ -51,7 +51,7 @@ def parse_answer(completion: str, think: bool = True, max_actions: int = 5) -> P
         return ParsedAnswer(think=thought)
     actions = [a.strip() for a in answer.split("||", max_actions)[:max_actions]]
     actions = [a for a in actions if a]
-    if not actions or len(answer) > MAX_ANSWER_CHARS:
+    if not actions:
         return ParsedAnswer(think=thought)
     return ParsedAnswer(actions=actions, think=thought, format_ok=True)
 

@@ -1,0 +1,160 @@
+import time
+
+import pytest
+import torch
+
+from ragen_pl.envs.base import Env
+from ragen_pl.envs.bandit import Bandit
+from ragen_pl.envs.sokoban import Sokoban
+from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+from ragen_pl.rollout.engine import Generation, RolloutEngine
+from ragen_pl.rollout.hf import HFEngine
+
+
+class Recording(RolloutEngine):
+    """Wraps an engine and records every prompt fed and every continuation sampled."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate(self, prompts, params):
+        gens = self.inner.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], [list(g.token_ids) for g in gens]))
+        return gens
+
+
+class Scripted(RolloutEngine):
+    """Answers with fixed texts: `script(turn, prompt_text)` -> completion text after the opening tag."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.turn = tok, script, 0
+
+    def generate(self, prompts, params):
+        out = []
+        for p in prompts:
+            text = self.script(self.turn, self.tok.decode(p))
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(Generation(ids, [-1.0] * len(ids), "stop"))
+        self.turn += 1
+        return out
+
+
+def test_update_sequence_is_exactly_what_was_fed_and_sampled(tiny):
+    model, tok = tiny
+    engine = Recording(HFEngine(seed=1))
+    engine.inner.bind(model, tok)
+    config = RolloutConfig(max_turns=3, max_new_tokens=10)
+    specs = [EpisodeSpec(Sokoban(), seed=s, group_id=s) for s in range(6)]
+    result = Collector(engine, tok, config).collect(specs)
+    batch = result.batch
+    # Follow each trajectory through the engine calls (live envs keep their order in every call).
+    live = list(range(len(specs)))
+    pieces = {i: [] for i in live}
+    for prompts, gens in engine.calls:
+        assert len(prompts) == len(live)
+        for i, p, g in zip(live, prompts, gens):
+            pieces[i].append((p, g))
+        live = [i for i in range(len(specs)) if len(pieces[i]) < result.episodes[i].turns]
+    for b, ep in enumerate(result.episodes):
+        ids = batch.input_ids[b][batch.attention_mask[b]].tolist()
+        mask = batch.loss_mask[b][batch.attention_mask[b]].tolist()
+        expected_mask = []
+        for k, (prompt, sampled) in enumerate(pieces[b]):
+            assert ids[:len(prompt)] == prompt  # every prompt fed is a prefix of the update sequence
+            assert ids[len(prompt):len(prompt) + len(sampled)] == sampled  # followed by exactly what was sampled
+            expected_mask = expected_mask + [False] * (len(prompt) - len(expected_mask)) + [True] * len(sampled)
+            turn_of = batch.turn_ids[b, len(prompt):len(prompt) + len(sampled)]
+            assert bool((turn_of == k).all())
+        last_prompt, last_sampled = pieces[b][-1]
+        assert ids == last_prompt + last_sampled  # and nothing else
+        assert mask == expected_mask  # the loss mask covers exactly the sampled tokens
+        assert ep.turns == len(pieces[b])
+
+
+def test_rewards_penalties_and_budgets(tiny):
+    _, tok = tiny
+    answers = {0: "go</think><answer>Up || Jump || Left</answer>", 1: "bad format", 2: "x</think><answer>Down</answer>"}
+    engine = Scripted(tok, lambda turn, _: answers[turn])
+    config = RolloutConfig(max_turns=3, max_actions_per_turn=5, max_actions_per_episode=10)
+    env = Sokoban()
+    room = "######\n#____#\n#_X__#\n#_P__#\n#__O_#\n######"
+
+    class Fixed(Sokoban):
+        def reset(self, seed):
+            return self.load(room)
+
+    result = Collector(engine, tok, config).collect([EpisodeSpec(Fixed(), seed=0, group_id=0)])
+    ep, batch = result.episodes[0], result.batch
+    # turn 0: Up pushes the box up (-0.1), Jump is invalid (no step, penalty), Left moves (-0.1) -> -0.2 - 0.1
+    # turn 1: unparsable -> -0.1, no step.  turn 2: Down (-0.1).
+    turn_rewards = [t["reward"] for t in ep.transcript if t["role"] == "model"]
+    assert turn_rewards == pytest.approx([-0.3, -0.1, -0.1])
+    assert ep.actions == 4 and ep.valid_actions == 3 and ep.format_errors == 2 and ep.turns == 3
+    ends = batch.turn_ends[0]
+    assert int(ends.sum()) == 3
+    torch.testing.assert_close(batch.rewards[0][ends], torch.tensor([-0.3, -0.1, -0.1]))
+    assert float(batch.rewards[0][~ends].abs().sum()) == 0.0
+    assert env.actions == Sokoban.actions
+
+
+def test_last_turn_placement_and_action_budget(tiny):
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>Left || Right || Left</answer>")
+    config = RolloutConfig(max_turns=5, max_actions_per_turn=2, max_actions_per_episode=3, reward_placement="last_turn")
+    result = Collector(engine, tok, config).collect([EpisodeSpec(Sokoban(), seed=3, group_id=0)])
+    ep, batch = result.episodes[0], result.batch
+    assert ep.actions == 3 and ep.turns == 2  # 2 actions (cap per turn), then 1 left in the episode budget
+    assert int((batch.rewards[0] != 0).sum()) == 1
+    assert float(batch.rewards[0].sum()) == pytest.approx(-0.3)
+
+
+def test_done_stops_the_trajectory(tiny):
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>Dragon || Phoenix</answer>")
+    result = Collector(engine, tok, RolloutConfig()).collect([EpisodeSpec(Bandit(), seed=s, group_id=s) for s in range(4)])
+    for ep in result.episodes:
+        assert ep.turns == 1 and ep.actions == 1 and ep.success and ep.done
+
+
+class Exploding(Env):
+    actions = ("A",)
+
+    def __init__(self, mode: str = "raise") -> None:
+        super().__init__()
+        self.mode = mode
+
+    @property
+    def instructions(self) -> str:
+        return "Say A."
+
+    def reset(self, seed):
+        return "start"
+
+    def render(self):
+        return "state"
+
+    def step(self, action):
+        if self.mode == "raise":
+            raise RuntimeError("boom")
+        time.sleep(5)
+        return "state", 0.0, True, {"success": False, "action_is_valid": True, "action_is_effective": True}
+
+
+def test_failing_and_hanging_envs_are_excluded_and_counted(tiny):
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>A</answer>")
+    config = RolloutConfig(max_turns=2, step_timeout_s=0.2)
+    specs = [EpisodeSpec(Exploding("raise"), 0, 0), EpisodeSpec(Bandit(), 1, 1), EpisodeSpec(Exploding("hang"), 2, 2)]
+    start = time.perf_counter()
+    result = Collector(engine, tok, config).collect(specs)
+    assert time.perf_counter() - start < 3
+    failed = [ep.failed for ep in result.episodes]
+    assert "boom" in failed[0] and failed[1] is None and "ran past 0.2s" in failed[2]
+    assert len(result.batch) == 1 and result.batch.env_tags == ("Bandit",)
+
+
+def test_rollout_config_errors():
+    with pytest.raises(ValueError, match=r"`rollout.max_turns` must be an integer >= 1, got 0"):
+        RolloutConfig(max_turns=0)
+    with pytest.raises(ValueError, match=r"`rollout.reward_placement` must be 'turn' or 'last_turn', got 'end'"):
+        RolloutConfig(reward_placement="end")

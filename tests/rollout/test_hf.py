@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from ragen_pl.rollout.engine import SamplingParams
+from ragen_pl.rollout.hf import HFEngine, sample_next
+
+
+def test_greedy_matches_model_generate_and_logprobs_match_forward(tiny):
+    model, tok = tiny
+    engine = HFEngine()
+    engine.bind(model, tok)
+    prompts = [tok("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in range(1, 7)]  # ragged: left padding
+    gens = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, stop=[]))
+    for prompt, gen in zip(prompts, gens):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) in (len(ref), 12)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), lp, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_logprobs_are_of_the_processed_distribution(tiny):
+    model, tok = tiny
+    engine = HFEngine(seed=3)
+    engine.bind(model, tok)
+    prompt = tok("Turn 1:")["input_ids"]
+    params = SamplingParams(temperature=0.7, top_k=20, max_new_tokens=6, stop=[])
+    gen = engine.generate([prompt], params)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1].float() / 0.7
+    kth = logits.topk(20, -1).values[:, -1:]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), lp, atol=1e-4, rtol=1e-4)
+
+
+def test_sample_next_frequencies_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(20000, 4)
+    g = torch.Generator().manual_seed(0)
+    ids, _ = sample_next(logits, SamplingParams(temperature=1.0), g)
+    freq = torch.bincount(ids, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    ids, lps = sample_next(logits, SamplingParams(temperature=1.0, top_p=0.7), g)
+    assert set(ids.tolist()) == {0, 1}  # 0.5 alone < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is {0, 1}
+    torch.testing.assert_close(lps[ids == 0][:1], torch.log(torch.tensor([0.5 / 0.8])))
+
+
+def test_stop_strings_and_reasons(tiny):
+    model, tok = tiny
+    engine = HFEngine()
+    engine.bind(model, tok)
+    gens = engine.generate([tok("x")["input_ids"]] * 4, SamplingParams(temperature=1.0, max_new_tokens=40, stop=["_"]))
+    for g in gens:
+        text = tok.decode(g.token_ids)
+        assert g.finish_reason in ("stop", "eos", "length")
+        if g.finish_reason == "stop":
+            assert "_" in text and "_" not in tok.decode(g.token_ids[:-1])
+        if g.finish_reason == "length":
+            assert len(g.token_ids) == 40
+
+
+def test_unbound_engine_errors():
+    with pytest.raises(RuntimeError, match=r"before bind"):
+        HFEngine().generate([[1]], SamplingParams())
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match=r"`top_p` must be in \(0, 1\], got 0"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match=r"`top_k` must be -1 \(off\) or >= 1, got 0"):
+        SamplingParams(top_k=0)

@@ -1,0 +1,110 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from ragen_pl.advantages import GAE, GRPO
+from ragen_pl.data import RolloutDataModule
+from ragen_pl.envs.bandit import Bandit
+from ragen_pl.envs.sokoban import Sokoban
+from ragen_pl.filters import NoFilter
+from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
+from ragen_pl.rollout.collector import RolloutConfig
+
+
+def make(model_path, advantage=None, ppo=None, env=None, **data):
+    module = RagenModule(str(model_path), advantage=advantage or GAE(),
+                         ppo=ppo or PPOConfig(mini_batch_size=4, micro_batch_size=2),
+                         optim=OptimConfig(actor_lr=1e-3, critic_lr=1e-3))
+    dm = RolloutDataModule(env or Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2, **data)
+    return module, dm
+
+
+def trainer(steps, **kw):
+    return pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **kw)
+
+
+@pytest.mark.parametrize("advantage", [GAE(), GRPO()], ids=["gae", "grpo"])
+def test_two_steps_change_every_trainable_parameter(tiny_model_path, advantage):
+    module, dm = make(tiny_model_path, advantage=advantage)
+    before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    t = trainer(2)
+    t.fit(module, dm)
+    assert t.global_step == 2  # one step per StarPO iteration
+    assert dm.iteration == 2
+    m = t.callback_metrics
+    for key in ("loss/policy", "loss/entropy", "actor/grad_norm", "rollout/success", "filter/kept_frac"):
+        assert torch.isfinite(m[key]), key
+    unchanged = [n for n, p in module.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    assert not unchanged, f"parameters that did not change: {unchanged[:5]}"
+    if isinstance(advantage, GRPO):
+        assert module.critic is None and "loss/value" not in m
+    else:
+        assert module.critic is not None and torch.isfinite(m["loss/value"])
+
+
+def test_reference_model_only_with_kl(tiny_model_path):
+    assert RagenModule(str(tiny_model_path)).reference is None
+    m = RagenModule(str(tiny_model_path), ppo=PPOConfig(kl_coeff=0.001))
+    assert m.reference is not None and not any(p.requires_grad for p in m.reference.parameters())
+
+
+def test_micro_batches_add_up_to_the_mini_batch(tiny_model_path):
+    """Gradient accumulation over micro-batches equals one pass over the whole mini-batch."""
+    grads = []
+    for micro in (4, 1):
+        module, dm = make(tiny_model_path, ppo=PPOConfig(mini_batch_size=4, micro_batch_size=micro))
+        t = trainer(0)
+        t.fit(module, dm)  # attaches trainer, runs setup
+        dm.setup("fit")
+        torch.manual_seed(0)
+        rollout = dm.play_training_rollout()
+        batch = rollout.batch
+        module.prepare(batch)
+        count = module._norm_count(batch.loss_mask)
+        module.zero_grad()
+        for idx in torch.arange(len(batch)).split(micro):
+            actor, critic, _ = module.micro_loss(batch.select(idx), count)
+            (actor + critic).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_non_finite_gradient_skips_the_step(tiny_model_path, monkeypatch):
+    module, dm = make(tiny_model_path, env=Bandit())
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    original = module.micro_loss
+
+    def poisoned(part, count):
+        actor, critic, metrics = original(part, count)
+        return actor * float("nan"), critic, metrics
+
+    monkeypatch.setattr(module, "micro_loss", poisoned)
+    t = trainer(1)
+    t.fit(module, dm)
+    assert module.skipped_steps >= 1
+    assert float(t.callback_metrics["train/optimizer_steps"]) == 0
+    for n, p in module.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"micro_batch_size": 8, "mini_batch_size": 4}, r"`model.ppo.micro_batch_size` \(8\) must be <= "),
+        ({"clip_low": 1.5}, r"`model.ppo.clip_low` must be in \[0, 1\)"),
+        ({"kl_mode": "penalty"}, r"`model.ppo.kl_mode` must be 'loss' or 'reward', got 'penalty'"),
+        ({"ppo_epochs": 0}, r"`model.ppo.ppo_epochs` must be an integer >= 1, got 0"),
+    ],
+)
+def test_ppo_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PPOConfig(**kwargs)
+
+
+def test_data_config_errors(tiny_model_path):
+    with pytest.raises(ValueError, match=r"`data.group_size` must be an integer >= 1, got 0"):
+        RolloutDataModule(Bandit(), group_size=0)
+    with pytest.raises(ValueError, match=r"`data.val_envs` must have distinct tags"):
+        RolloutDataModule(Bandit(), val_envs=[Sokoban(), Sokoban()])
