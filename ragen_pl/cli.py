@@ -2,7 +2,8 @@
 
 ``ragen-pl fit | validate | test`` run StarPO through LightningCLI (``--config configs/sokoban.yaml``,
 ``--print_config``). ``ragen-pl plugins`` lists every discovered plugin; ``ragen-pl play`` plays an env with a
-random or expert (solver) policy; ``ragen-pl tiny`` builds the embedded tiny model.
+random or expert (solver) policy; ``ragen-pl tiny`` builds the embedded tiny model; ``ragen-pl demos`` and
+``ragen-pl sft`` make and train on supervised trajectories.
 
 Plugins are loaded before any config is parsed, so a config can name a component by its class path, its class name
 (``GRPO``) or its entry name (``grpo``).
@@ -96,9 +97,41 @@ def _install_entry_name_resolver() -> None:
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from ragen_pl.tiny import build_tiny_model
+    from ragen_pl.tiny import build_tiny_model, build_warm_tiny_model
 
-    print(build_tiny_model(args.path, overwrite=args.overwrite))
+    if args.warm:
+        print(build_warm_tiny_model(overwrite=args.overwrite))
+    else:
+        print(build_tiny_model(args.path, overwrite=args.overwrite))
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from ragen_pl.sft import read_jsonl, sft
+    from ragen_pl.tiny import resolve_model
+
+    try:
+        records = read_jsonl(args.data)
+        loss = sft(resolve_model(args.model), records, args.out, steps=args.steps, lr=args.lr,
+                   batch_size=args.batch_size, seed=args.seed)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    print(f"saved {args.out} (final loss {loss:.4f}, {len(records)} trajectories)")
+    return 0
+
+
+def _cmd_demos(args: argparse.Namespace) -> int:
+    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.sft import demonstrations, write_jsonl
+
+    try:
+        envs = [registry.resolve("envs", name) for name in args.env]
+        config = RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+        records = demonstrations(envs, args.episodes, config, seed=args.seed)
+    except (registry.PluginLoadError, ValueError, TypeError) as err:
+        raise SystemExit(f"error: {err}") from None
+    write_jsonl(records, args.out)
+    print(f"wrote {len(records)} trajectories of random legal play to {args.out}")
     return 0
 
 
@@ -117,8 +150,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_play)
     p = sub.add_parser("tiny", help="build (once) the embedded tiny Qwen2 model and print its folder")
     p.add_argument("--path", default=None, help="where to save it (default: the ragen-pl cache)")
+    p.add_argument("--warm", action="store_true", help="also warm-start it with SFT on random legal play")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_tiny)
+    p = sub.add_parser("sft", help="supervised fine-tuning on a JSONL of multi-turn trajectories")
+    p.add_argument("--model", required=True, help="hub id, local folder, or ragen-pl/tiny")
+    p.add_argument("--data", required=True, help="JSONL of trajectories (see ragen_pl/sft.py for the layout)")
+    p.add_argument("--out", required=True, help="folder to save the fine-tuned model and tokenizer to")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sft)
+    p = sub.add_parser("demos", help="write SFT trajectories of random legal play (format without skill)")
+    p.add_argument("--env", nargs="+", default=["sokoban"], help="entry names of the envs")
+    p.add_argument("--episodes", type=int, default=100, help="episodes per env")
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_demos)
     return parser
 
 

@@ -27,6 +27,30 @@ class RagenCLI(LightningCLI):
         parser.add_argument("--torch_threads", type=int, default=0,
                             help="torch threads per process (0 leaves torch's default)")
 
+    def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
+
+        from ragen_pl.callbacks import default_callbacks
+
+        trainer = super().instantiate_trainer(**kwargs)
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and type(ckpt) is ModelCheckpoint and ckpt.monitor is None and not ckpt._every_n_train_steps:
+            # Lightning's default saves at epoch ends, which a rollout stream never reaches: save every few
+            # iterations instead, and keep `last.ckpt` for resuming after a crash.
+            ckpt._every_n_train_steps = 5
+            ckpt.save_last = True
+        have = {type(cb) for cb in trainer.callbacks}
+        for cb in default_callbacks():
+            if type(cb) in have:
+                continue
+            if isinstance(cb, ProgressBar):
+                bar = trainer.progress_bar_callback
+                if bar is None or type(bar) not in (TQDMProgressBar, RichProgressBar):
+                    continue  # progress bars are off, or the config chose its own
+                trainer.callbacks.remove(bar)  # Lightning's default counts epochs; the rollout stream has none
+            trainer.callbacks.append(cb)
+        return trainer
+
     def before_instantiate_classes(self) -> None:
         threads = self.config.get(self.subcommand, self.config).get("torch_threads", 0) if self.subcommand else 0
         if threads:
@@ -40,6 +64,8 @@ def run_lightning_cli(argv: list[str]) -> int:
     # RagenModule takes `dataloader_iter` on purpose: no prefetch, so each rollout uses the latest weights.
     warnings.filterwarnings("ignore", message=".*dataloader_iter.*")
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    # The checkpoint after an iteration is the one to resume from; manual optimisation makes Lightning say so.
+    warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         RagenCLI(

@@ -28,6 +28,7 @@ RESPONSE_TOKENS_PER_TURN = "response_tokens_per_turn"
 RESPONSE_TOKENS = "response_tokens"
 FAILED = "failed_envs"
 TRUNCATED = "truncated"
+REPETITION = "repetition"
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -47,6 +48,12 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     group_std = [torch.tensor([e.env_return for e in g], dtype=torch.float64).std().item()
                  for g in groups.values() if len(g) > 1]
     tokens = [sum(ep.chat.sampled) for ep in ok if ep.chat is not None]
+    # The Echo Trap's repetition: the share of a group's first answers that repeat another answer in the group.
+    repetition = []
+    for g in groups.values():
+        texts = [next((t["text"] for t in e.transcript if t["role"] == "model"), "") for e in g]
+        if len(texts) > 1:
+            repetition.append(1 - (len(set(texts)) - 1) / (len(texts) - 1))
     out.update({
         SUCCESS: _mean([float(ep.success) for ep in ok]),
         PASS_AT_K: _mean([float(any(e.success for e in g)) for g in groups.values()]),
@@ -61,6 +68,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         RESPONSE_TOKENS: _mean(tokens),
         RESPONSE_TOKENS_PER_TURN: sum(tokens) / max(1, sum(ep.turns for ep in ok)),
         TRUNCATED: _mean([float(ep.truncated) for ep in ok]),
+        REPETITION: _mean(repetition),
     })
     return out
 

@@ -26,7 +26,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from ragen_pl.advantages import GAE, Advantage, masked_mean
-from ragen_pl.losses import aggregate, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss, value_loss
+from ragen_pl.losses import (
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.types import KLEstimator, LossAgg, TrajectoryBatch
 
@@ -263,6 +270,23 @@ class RagenModule(pl.LightningModule):
         if self.gradient_checkpointing:
             backbone.gradient_checkpointing_enable()
         return ValueModel(backbone, backbone.config.hidden_size)
+
+    def policy_state_dict(self) -> dict[str, Tensor]:
+        """Full policy weights under transformers' names, for engines that keep their own copy (vLLM).
+
+        With LoRA the adapters are merged into a copy of the weights (merge, copy, unmerge), so the engine samples
+        from exactly the trained policy.
+        """
+        if self.lora is None:
+            return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+        self.policy.merge_adapter()
+        try:
+            return {
+                k.replace("base_model.model.", "", 1).replace(".base_layer", ""): v.detach().clone()
+                for k, v in self.policy.state_dict().items() if "lora_" not in k
+            }
+        finally:
+            self.policy.unmerge_adapter()
 
     @override
     def configure_model(self) -> None:

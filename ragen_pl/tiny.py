@@ -59,7 +59,12 @@ def _corpus(seed: int, episodes: int = 60) -> list[str]:
     from ragen_pl.envs.countdown import Countdown
     from ragen_pl.envs.frozen_lake import FrozenLake
     from ragen_pl.envs.sokoban import Sokoban
-    from ragen_pl.rollout.prompt import SYSTEM_PROMPT, first_user_message, format_instruction, next_user_message
+    from ragen_pl.rollout.prompt import (
+        SYSTEM_PROMPT,
+        first_user_message,
+        format_instruction,
+        next_user_message,
+    )
 
     rng = random.Random(seed)
     envs = [Bandit(), Bandit(low_arm="Trader", high_arm="Librarian"), Sokoban(), Sokoban(dim_room=(8, 8), num_boxes=2),

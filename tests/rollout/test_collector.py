@@ -3,8 +3,8 @@ import time
 import pytest
 import torch
 
-from ragen_pl.envs.base import Env
 from ragen_pl.envs.bandit import Bandit
+from ragen_pl.envs.base import Env
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
 from ragen_pl.rollout.engine import Generation, RolloutEngine
