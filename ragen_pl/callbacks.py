@@ -44,7 +44,7 @@ class ValidateAtStart(Callback):
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.global_step > 0:  # a resumed run has its step-0 numbers already
+        if trainer.global_step > 0 or trainer.limit_val_batches == 0:  # resumed, or validation is off
             return
         dm = _datamodule(trainer)
         metrics: dict[str, float] = {}

@@ -433,8 +433,9 @@ class RagenModule(pl.LightningModule):
         metrics = {k: v for k, v in rollout.metrics.items()}
         metrics.update(self.prepare(batch))
         metrics.update(self.update(batch))
-        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()}, on_step=True,
-                      batch_size=len(batch))
+        # Each rank plays the same number of groups, so the mean over ranks is the batch mean.
+        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()},
+                      on_step=True, batch_size=len(batch), sync_dist=True)
         # One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
         # exactly one per iteration (see the module docstring).
         opts = self.optimizers()
@@ -494,8 +495,8 @@ class RagenModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------- validation
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in batch.items()},
-                      add_dataloader_idx=False, batch_size=1)
+        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in batch.items()},
+                      add_dataloader_idx=False, batch_size=1, sync_dist=True)
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:

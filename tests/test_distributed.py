@@ -1,0 +1,93 @@
+"""Several processes: DDP and FSDP2 (ModelParallelStrategy) with 2 CPU processes over gloo, and the cross-rank
+filter, which must rank all groups of all ranks together."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ragen_pl.data import RolloutDataModule
+from ragen_pl.envs.bandit import Bandit
+from ragen_pl.filters import VarianceTopP
+from tests.helpers import make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rank_batch(scores, first_group, group_size):
+    n = len(scores)
+    return make_batch([[0, 1]] * n, rewards=[[0, s] for s in scores],
+                      group_ids=[first_group + i // group_size for i in range(n)])
+
+
+class FakeStrategy:
+    """all_gather over simulated ranks: returns what every rank packed, stacked."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def all_gather(self, t):
+        return torch.stack(self.parts)
+
+
+def test_filter_ranks_all_groups_across_ranks(monkeypatch):
+    """Two simulated ranks: the kept trajectories equal a single-process filter over the union."""
+    group_size = 2
+    per_rank = [[0, 0, 0, 1, 5, 5, 0, 4], [1, 1, 0, 3, 2, 2, 0, 9]]  # 4 groups per rank
+    batches = [_rank_batch(s, 4 * r, group_size) for r, s in enumerate(per_rank)]
+    packed = []
+    for b in batches:  # what each rank contributes to the all-gather (see RolloutDataModule._filter)
+        stats = b.stats()
+        packed.append(torch.stack([stats.scores.double(), stats.group_ids.double(), stats.lengths.double(),
+                                   torch.ones(len(b), dtype=torch.float64)], dim=1))
+    monkeypatch.setattr(RolloutDataModule, "world", property(lambda self: (self.trainer.global_rank, 2)))
+    keeps = []
+    for rank in range(2):
+        dm = RolloutDataModule(Bandit(), n_groups=8, group_size=group_size, filter=VarianceTopP(top_p=0.25))
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=FakeStrategy(packed))
+        keep, metrics = dm._filter(batches[rank])
+        keeps.append(keep)
+    union = _rank_batch(per_rank[0] + per_rank[1], 0, group_size)
+    expected = VarianceTopP(top_p=0.25)(union).keep  # 2 of 8 groups: std 2.83 (rank 0) and 6.36 (rank 1)
+    assert torch.equal(torch.cat(keeps), expected)
+    assert keeps[0].tolist() == [False] * 6 + [True] * 2
+    assert keeps[1].tolist() == [False] * 6 + [True] * 2
+    assert float(metrics["filter/kept_frac"]) == 0.25
+
+
+SMALL = [
+    "--trainer.max_steps=2", "--trainer.precision=32-true", "--trainer.accelerator=cpu", "--trainer.devices=2",
+    "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+    "--data.n_groups=4", "--data.group_size=2", "--data.rollout.max_new_tokens=6", "--data.rollout.max_turns=2",
+    "--data.filter.init_args.top_p=0.5", "--model.ppo.mini_batch_size=2", "--model.ppo.micro_batch_size=1",
+    "--torch_threads=1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml")]
+    if strategy == "fsdp2":
+        args += ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml")]
+    else:
+        args += ["--trainer.strategy=ddp"]
+    args += [f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Starting with 2 processes" in proc.stdout + proc.stderr
+    rows = list(csv.DictReader(open(next(tmp_path.glob("sokoban/version_*/metrics.csv")))))
+    steps = [r for r in rows if r.get("filter/kept_frac")]
+    assert len(steps) == 2
+    for r in steps:
+        assert float(r["filter/kept_frac"]) == 0.5  # top 50% of the 4 groups of both ranks together
+        assert float(r["train/optimizer_steps"]) >= 1
+        assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
