@@ -15,6 +15,7 @@ and yield one dict of metrics per env (keys ``val/<tag>/...``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -162,7 +163,7 @@ class RolloutDataModule(pl.LightningDataModule):
         first_group = self.iteration * self.n_groups + rank * local
         specs = [EpisodeSpec(self.envs[g % len(self.envs)], seed=self.seed + g, group_id=g)
                  for g in range(first_group, first_group + local) for _ in range(self.group_size)]
-        result = self.collector.collect(specs)
+        result = self._collect(specs)
         self.iteration += 1
         metrics = rollout_metrics(result.episodes)
         for k, v in result.timings.items():
@@ -171,10 +172,21 @@ class RolloutDataModule(pl.LightningDataModule):
         if batch is None:
             raise RuntimeError(f"every trajectory of iteration {self.iteration - 1} failed: "
                                f"{result.episodes[0].failed}")
+        t0 = time.perf_counter()
         keep, filter_metrics = self._filter(batch)
         metrics.update(filter_metrics)
+        metrics["time/filter"] = torch.tensor(time.perf_counter() - t0)
         batch = self._pad_for_ranks(batch, keep)
         return RolloutBatch(batch, metrics, result)
+
+    def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
+        """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode)."""
+        assert self.collector is not None, "setup() binds the engine first"
+        self.engine.wake_up()
+        try:
+            return self.collector.collect(specs, temperature=temperature)
+        finally:
+            self.engine.sleep()
 
     def _filter(self, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, Tensor]]:
         stats = batch.stats()
@@ -234,7 +246,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rank, world = self.world
         seeds = range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in seeds]
-        result = self.collector.collect(specs, temperature=self.val_temperature)
+        result = self._collect(specs, temperature=self.val_temperature)
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
                        f"{len(specs)} episodes")

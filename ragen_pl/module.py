@@ -16,6 +16,7 @@ count iterations, so ``max_steps`` and checkpoint intervals are in iterations.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -431,8 +432,17 @@ class RagenModule(pl.LightningModule):
         rollout, _, _ = next(dataloader_iter)
         batch: TrajectoryBatch = rollout.batch.to(self.device)
         metrics = {k: v for k, v in rollout.metrics.items()}
+        t0 = time.perf_counter()
         metrics.update(self.prepare(batch))
+        t1 = time.perf_counter()
         metrics.update(self.update(batch))
+        t2 = time.perf_counter()
+        metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
+        tokens = float(rollout.result.batch.loss_mask.sum()) if rollout.result and rollout.result.batch else 0.0
+        rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
+        if rollout_time > 0:
+            metrics["throughput/rollout_tokens_per_s"] = torch.tensor(tokens / rollout_time)
+            metrics["throughput/trajectories_per_s"] = torch.tensor(len(rollout.result.episodes) / rollout_time)
         # Each rank plays the same number of groups, so the mean over ranks is the batch mean.
         self.log_dict({k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()},
                       on_step=True, batch_size=len(batch), sync_dist=True)

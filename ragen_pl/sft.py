@@ -42,7 +42,7 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
             user = first_user_message(env.instructions, obs, config.max_actions_per_episode, fmt)
             turns, used = [], 0
             for turn in range(config.max_turns):
-                n = rng.randint(1, min(2, config.max_actions_per_turn, config.max_actions_per_episode - used))
+                n = rng.randint(1, min(3, config.max_actions_per_turn, config.max_actions_per_episode - used))
                 actions = [rng.choice(env.actions) for _ in range(n)]
                 answer = " || ".join(actions)
                 text = (f"I will try {' then '.join(actions)}.</think><answer>{answer}</answer>" if config.think

@@ -40,8 +40,9 @@ class TinyConfig:
     hidden_size: int = 64
     intermediate_size: int = 192
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 2
+    """Head size 32: vLLM's CPU attention has no kernel for 16 ("Unsupported CPU attention configuration")."""
+    num_key_value_heads: int = 1
     max_position_embeddings: int = 4096
     seed: int = 0
 
@@ -123,13 +124,15 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 #: The entry in a config's ``model:`` field that names the warm-started tiny model.
 TINY_MODEL_ID = "ragen-pl/tiny"
+#: Bump when the demonstrations or the SFT recipe change, so cached warm models are rebuilt.
+WARM_START_VERSION = 2
 
 
 def warm_start_rollout():
     """The rollout settings the tiny model is warm-started with; the quickstart configs use the same."""
     from ragen_pl.rollout.collector import RolloutConfig
 
-    return RolloutConfig(max_turns=3, max_actions_per_turn=2, max_actions_per_episode=6, max_new_tokens=24)
+    return RolloutConfig(max_turns=4, max_actions_per_turn=3, max_actions_per_episode=10, max_new_tokens=32)
 
 
 def resolve_model(name: str) -> str:
@@ -148,7 +151,8 @@ def build_warm_tiny_model(config: TinyConfig | None = None, steps: int = 400, ep
     from ragen_pl.sft import demonstrations, sft
 
     config = config or TinyConfig()
-    out = cache_dir() / f"tiny-qwen2-{config.key()}-warm{steps}x{episodes}"
+    recipe = json.dumps([config.key(), steps, episodes, asdict(warm_start_rollout()), WARM_START_VERSION])
+    out = cache_dir() / f"tiny-qwen2-warm-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if (out / "config.json").exists() and not overwrite:
         return out
     base = build_tiny_model(config=config)

@@ -28,3 +28,13 @@ def tiny(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     return model, tok
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run with `pytest -m gpu` (tox -e gpu) on a machine with CUDA; elsewhere they say why they skip."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `tox -e gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

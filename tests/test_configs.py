@@ -34,11 +34,44 @@ def test_config_runs_one_step(config, tiny_model_path, tmp_path, monkeypatch):
     assert main(["fit", "--config", str(config), f"--model.model={tiny_model_path}", *SHRINK]) == 0
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.stem != "lora"], ids=lambda p: p.stem)
+# Strategy variants run in tests/test_distributed.py (fsdp2, 2 CPU processes) and on GPUs (fsdp, marker gpu);
+# lora needs peft. Here: every variant parses on top of every env config, and the others run one step.
+RUNNABLE = [v for v in VARIANTS if v.stem in ("grpo", "starpo")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda p: p.stem)
+def test_variant_parses(variant, tiny_model_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "sokoban.yaml"), "--config", str(variant),
+              f"--model.model={tiny_model_path}", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "model:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", RUNNABLE, ids=lambda p: p.stem)
 def test_variant_composes_and_runs(variant, tiny_model_path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["fit", "--config", str(ROOT / "configs" / "sokoban.yaml"), "--config", str(variant),
             f"--model.model={tiny_model_path}", *SHRINK]
+    assert main(args) == 0
+
+
+@pytest.mark.gpu
+def test_fsdp_variant_runs_on_gpus(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shrink = [a for a in SHRINK if not a.startswith(("--trainer.accelerator", "--trainer.devices", "--trainer.precision"))]
+    args = ["fit", "--config", str(ROOT / "configs" / "sokoban.yaml"), "--config",
+            str(ROOT / "configs" / "variants" / "fsdp.yaml"), f"--model.model={tiny_model_path}", *shrink]
+    assert main(args) == 0
+
+
+@pytest.mark.slow
+def test_lora_variant_runs(tiny_model_path, tmp_path, monkeypatch):
+    pytest.importorskip("peft", reason="the lora variant needs peft (pip install 'ragen-pl[peft]')")
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(ROOT / "configs" / "sokoban.yaml"), "--config",
+            str(ROOT / "configs" / "variants" / "lora.yaml"), "--config", str(ROOT / "configs" / "variants" / "starpo.yaml"),
+            f"--model.model={tiny_model_path}", "--model.lora.r=4", "--model.lora.alpha=8", *SHRINK]
     assert main(args) == 0
 
 

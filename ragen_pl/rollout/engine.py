@@ -28,6 +28,8 @@ class SamplingParams:
     """Tokens per turn (400 in the paper)."""
     stop: list[str] = field(default_factory=lambda: ["</answer>"])
     """Strings that end a turn; the stop string is kept in the output."""
+    ignore_eos: bool = False
+    """Keep sampling past the end-of-sequence token (for benchmarks that need fixed lengths)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

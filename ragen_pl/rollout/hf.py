@@ -108,7 +108,7 @@ class HFEngine(RolloutEngine):
         reasons: list[str] = ["length"] * n
         rows = list(range(n))  # prompt index of each live row
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
         stops = [s for s in params.stop if s]
         cache = DynamicCache()
         if n:

