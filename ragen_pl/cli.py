@@ -3,7 +3,7 @@
 ``ragen-pl fit | validate | test`` run StarPO through LightningCLI (``--config configs/sokoban.yaml``,
 ``--print_config``). ``ragen-pl plugins`` lists every discovered plugin; ``ragen-pl play`` plays an env with a
 random or expert (solver) policy; ``ragen-pl tiny`` builds the embedded tiny model; ``ragen-pl demos`` and
-``ragen-pl sft`` make and train on supervised trajectories.
+``ragen-pl sft`` make and train on supervised trajectories; ``ragen-pl report`` draws training curves.
 
 Plugins are loaded before any config is parsed, so a config can name a component by its class path, its class name
 (``GRPO``) or its entry name (``grpo``).
@@ -135,6 +135,17 @@ def _cmd_demos(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from ragen_pl.report import FIGURES, report
+
+    try:
+        report(args.runs, args.out)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    print(f"wrote {', '.join(FIGURES)} and trajectories.html to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragen-pl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demos)
+    p = sub.add_parser("report", help="PNG training curves (runs overlaid) and an HTML trajectory viewer")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="CSV logger run folders (with metrics.csv)")
+    p.add_argument("--out", default="report", help="output folder (default: report)")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 
