@@ -440,6 +440,8 @@ class RagenModule(pl.LightningModule):
         metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
         tokens = float(rollout.result.batch.loss_mask.sum()) if rollout.result and rollout.result.batch else 0.0
         rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
+        if self.device.type == "cuda":
+            metrics["gpu/peak_memory_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
         if rollout_time > 0:
             metrics["throughput/rollout_tokens_per_s"] = torch.tensor(tokens / rollout_time)
             metrics["throughput/trajectories_per_s"] = torch.tensor(len(rollout.result.episodes) / rollout_time)

@@ -84,7 +84,8 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
-    rows = list(csv.DictReader(open(next(tmp_path.glob("sokoban/version_*/metrics.csv")))))
+    with open(next(tmp_path.glob("sokoban/version_*/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
     steps = [r for r in rows if r.get("filter/kept_frac")]
     assert len(steps) == 2
     for r in steps:
