@@ -175,6 +175,15 @@ def bilevel_gae(
     return advantages, returns
 
 
+def _check_groups(name: str, group_ids: Tensor, count: Tensor) -> None:
+    if bool((count < 2).any()):
+        lonely = group_ids[count < 2][:5].tolist()
+        raise ValueError(
+            f"`group_ids`: {name} needs at least 2 trajectories per group, got groups of size 1 (ids {lonely}); "
+            f"set `data.group_size` >= 2"
+        )
+
+
 def grpo(
     scores: Tensor,
     group_ids: Tensor,
@@ -184,20 +193,22 @@ def grpo(
     """Group-relative trajectory advantage: ``(score - group mean) / (std + eps)``.
 
     ``scale="group"`` divides by the group's unbiased std (GRPO), ``"batch"`` by the std of all scores,
-    ``"none"`` does not divide (Dr. GRPO). A group of one gets mean 0 and std 1, as in verl, which RAGEN uses.
+    ``"none"`` does not divide (Dr. GRPO).
 
     Returns:
         (B,) advantages, one per trajectory.
+
+    Raises:
+        ValueError: a group of one trajectory (its advantage would be undefined), or an unknown ``scale``.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"`scale` must be one of 'group', 'batch', 'none', got {scale!r}")
     mean, std, count = group_stats(scores, group_ids)
-    single = count == 1
-    mean = torch.where(single, 0.0, mean)
+    _check_groups("GRPO", group_ids, count)
     if scale == "group":
-        denom = torch.where(single, 1.0, std) + eps
+        denom = std + eps
     elif scale == "batch":
-        denom = scores.to(torch.float64).std() + eps if scores.numel() > 1 else scores.new_ones((), dtype=torch.float64)
+        denom = scores.to(torch.float64).std() + eps
     else:
         denom = torch.ones_like(mean)
     return ((scores - mean) / denom).to(scores.dtype)
@@ -206,15 +217,29 @@ def grpo(
 def rloo(scores: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE leave-one-out: ``score_i - mean of the other scores in its group`` = ``n/(n-1) (s_i - mean)``.
 
-    A group of one keeps its raw score (verl's rule).
-
     Returns:
         (B,) advantages.
+
+    Raises:
+        ValueError: a group of one trajectory (there is no one to leave out).
     """
     mean, _, count = group_stats(scores, group_ids)
-    factor = torch.where(count > 1, count / (count - 1).clamp(min=1), 1.0)
-    baseline = torch.where(count > 1, mean, 0.0)
-    return (factor * (scores - baseline)).to(scores.dtype)
+    _check_groups("RLOO", group_ids, count)
+    return (count / (count - 1) * (scores - mean)).to(scores.dtype)
+
+
+def _grouped(fn, batch: TrajectoryBatch, **kwargs) -> Tensor:
+    """Apply a group estimator to the trajectories that can have one; broadcast to sampled tokens.
+
+    Rows without sampled tokens (padding between ranks) and trajectories left alone in their group (their
+    group-mates' envs failed) get advantage 0: they carry no group-relative signal.
+    """
+    _, _, count = group_stats(batch.scores, batch.group_ids)
+    usable = batch.loss_mask.any(-1) & (count > 1)
+    adv = torch.zeros_like(batch.scores)
+    if bool(usable.any()):
+        adv[usable] = fn(batch.scores[usable], batch.group_ids[usable], **kwargs)
+    return adv[:, None] * batch.loss_mask
 
 
 def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -241,6 +266,8 @@ class Advantage(ABC):
 
     #: Whether the estimator reads ``batch.values``; the module builds a critic only when it does.
     needs_critic: ClassVar[bool] = False
+    #: Whether it compares trajectories inside a group (then ``data.group_size`` must be >= 2).
+    needs_groups: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor | None]:
@@ -312,6 +339,8 @@ class BiLevelGAE(Advantage):
 class GRPO(Advantage):
     """Group-normalised trajectory reward, broadcast to the trajectory's sampled tokens (no critic)."""
 
+    needs_groups = True
+
     def __init__(self, scale: Literal["group", "batch", "none"] = "group", eps: float = 1e-6) -> None:
         """
         Args:
@@ -324,15 +353,16 @@ class GRPO(Advantage):
         self.scale, self.eps = scale, eps
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
-        adv = grpo(batch.scores, batch.group_ids, self.scale, self.eps)  # (B,)
-        return adv[:, None] * batch.loss_mask, None
+        return _grouped(grpo, batch, scale=self.scale, eps=self.eps), None
 
 
 class RLOO(Advantage):
     """REINFORCE with a leave-one-out group baseline (no critic)."""
 
+    needs_groups = True
+
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
-        return rloo(batch.scores, batch.group_ids)[:, None] * batch.loss_mask, None
+        return _grouped(rloo, batch), None
 
 
 class ReinforcePP(Advantage):

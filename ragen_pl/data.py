@@ -141,6 +141,9 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"`data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
                              f"({world})")
         module = self.trainer.lightning_module
+        advantage = getattr(module, "advantage", None)
+        if getattr(advantage, "needs_groups", False) and self.group_size < 2:
+            raise ValueError(f"`data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
         bind = getattr(self.engine, "bind", None)
         if bind is not None:
             bind(module.policy, module.tokenizer)
@@ -224,15 +227,16 @@ class RolloutDataModule(pl.LightningDataModule):
         if len(kept) == target:
             return kept
         filler = batch.select(torch.zeros(target - len(kept), dtype=torch.long))  # copies of row 0 ...
-        filler.loss_mask = torch.zeros_like(filler.loss_mask)  # ... that carry no loss
+        filler.loss_mask = torch.zeros_like(filler.loss_mask)  # ... that carry no loss,
         filler.rewards = torch.zeros_like(filler.rewards)
+        # ... and sit in groups of their own, so group statistics (GRPO, RLOO, reward norm) never see them.
+        filler.group_ids = -1 - torch.arange(len(filler), dtype=filler.group_ids.dtype)
         if len(kept) == 0:
             return filler
-        T = max(kept.input_ids.shape[1], filler.input_ids.shape[1])
-        parts = [_pad_time(kept, T), _pad_time(filler, T)]
-        return TrajectoryBatch(**{
-            f.name: (torch.cat([getattr(p, f.name) for p in parts]) if isinstance(getattr(parts[0], f.name), Tensor)
-                     else None) for f in fields(TrajectoryBatch) if f.name != "env_tags"
+        return TrajectoryBatch(**{  # both come from `batch`, so they share its padded length T
+            f.name: (torch.cat([getattr(kept, f.name), getattr(filler, f.name)])
+                     if isinstance(getattr(kept, f.name), Tensor) else None)
+            for f in fields(TrajectoryBatch) if f.name != "env_tags"
         }, env_tags=kept.env_tags + filler.env_tags)
 
     @override
@@ -282,13 +286,3 @@ class RolloutDataModule(pl.LightningDataModule):
         self._last = None
         self._steps_since_rollout = 0
 
-
-def _pad_time(batch: TrajectoryBatch, T: int) -> TrajectoryBatch:
-    out = {}
-    for f in fields(TrajectoryBatch):
-        v = getattr(batch, f.name)
-        if isinstance(v, Tensor) and v.dim() == 2 and v.shape[1] < T:
-            fill = -1 if f.name == "turn_ids" else 0
-            v = torch.nn.functional.pad(v, (0, T - v.shape[1]), value=fill)
-        out[f.name] = v
-    return TrajectoryBatch(**out)

@@ -112,16 +112,24 @@ def test_grpo_hand_derived():
                  torch.tensor([0.5, -0.5, -0.5, 0.5, -1.0, 1.0]) / batch_std)
 
 
-def test_grpo_singleton_group_follows_verl():
-    # Group 7 = [3] alone: mean 0, std 1 -> 3. Group 8 = [1, 2]: mean 1.5, std sqrt(0.5) -> -+0.5/sqrt(0.5)
-    assert_close(grpo(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([7, 8, 8]), eps=0.0),
-                 torch.tensor([3.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)]))
+def test_group_of_one_is_an_error_for_the_math_and_zero_in_the_estimator():
+    with pytest.raises(ValueError, match=r"`group_ids`: GRPO needs at least 2 trajectories per group, got groups "
+                                         r"of size 1 \(ids \[7\]\); set `data.group_size` >= 2"):
+        grpo(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([7, 8, 8]))
+    with pytest.raises(ValueError, match=r"`group_ids`: RLOO needs at least 2"):
+        rloo(torch.tensor([3.0]), torch.tensor([0]))
+    # In a batch, a trajectory left alone (its group-mates failed) or a padding row gets advantage 0;
+    # group 8 = [1, 2]: mean 1.5, std sqrt(0.5) -> -+0.5/sqrt(0.5).
+    b = make_batch([[1, 1], [1, 0], [1, 1], [0, 0]], rewards=[[0, 3], [1, 0], [0, 2], [0, 0]], group_ids=[7, 8, 8, 8])
+    adv, _ = GRPO()(b)
+    r = 0.5 / math.sqrt(0.5) / (1 + 1e-6 / math.sqrt(0.5))
+    assert_close(adv, torch.tensor([[0, 0], [-r, 0], [r, r], [0, 0]]), atol=1e-5, rtol=1e-5)
 
 
 def test_rloo_hand_derived():
     # Group [1, 2, 6]: leave-one-out baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5 -> [-3, -1.5, 4.5]
-    assert_close(rloo(torch.tensor([1.0, 2.0, 6.0, 5.0]), torch.tensor([0, 0, 0, 1])),
-                 torch.tensor([-3.0, -1.5, 4.5, 5.0]))
+    assert_close(rloo(torch.tensor([1.0, 2.0, 6.0, 5.0, 1.0]), torch.tensor([0, 0, 0, 1, 1])),
+                 torch.tensor([-3.0, -1.5, 4.5, 4.0, -4.0]))
 
 
 def test_reinforce_pp_hand_derived():
@@ -154,13 +162,11 @@ def test_bilevel_matches_ragen_reference(seed, gt, lt, gk, lk):
 def test_grpo_matches_loop():
     g = torch.Generator().manual_seed(0)
     scores, ids = torch.randn(64, generator=g), torch.randint(0, 9, (64,), generator=g)
+    ids[ids == 0] = 1  # every group has at least 2 members (62 trajectories in 8 groups)
     out = grpo(scores, ids)
     for i in range(64):
         members = scores[ids == ids[i]]
-        if len(members) == 1:
-            expected = scores[i] / (1 + 1e-6)
-        else:
-            expected = (scores[i] - members.mean()) / (members.std() + 1e-6)
+        expected = (scores[i] - members.mean()) / (members.std() + 1e-6)
         assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -172,7 +178,7 @@ scores_st = st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=2, 
 @given(scores=scores_st, n_groups=st.integers(1, 6), scale=st.sampled_from(["group", "none", "batch"]))
 def test_grpo_sums_to_zero_per_group(scores, n_groups, scale):
     s = torch.tensor(scores, dtype=torch.float64)
-    ids = torch.arange(len(scores)) % n_groups
+    ids = torch.arange(len(scores)) % min(n_groups, len(scores) // 2)  # every group has >= 2 members
     adv = grpo(s, ids, scale=scale)
     for gid in ids.unique():
         members = ids == gid
@@ -184,7 +190,7 @@ def test_grpo_sums_to_zero_per_group(scores, n_groups, scale):
 @given(scores=scores_st, n_groups=st.integers(1, 6))
 def test_rloo_sums_to_zero_per_group(scores, n_groups):
     s = torch.tensor(scores, dtype=torch.float64)
-    ids = torch.arange(len(scores)) % n_groups
+    ids = torch.arange(len(scores)) % min(n_groups, len(scores) // 2)
     adv = rloo(s, ids)
     for gid in ids.unique():
         members = ids == gid

@@ -92,3 +92,26 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["filter/kept_frac"]) == 0.5  # top 50% of the 4 groups of both ranks together
         assert float(r["train/optimizer_steps"]) >= 1
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
+
+
+def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
+    """A rank that keeps fewer trajectories pads with rows that carry no loss and join no real group."""
+    from ragen_pl.advantages import grpo
+
+    batch = _rank_batch([0, 1, 2, 3], 0, 2)
+    keep = torch.tensor([True, True, False, False])
+
+    class Strategy:
+        root_device = torch.device("cpu")
+
+        def all_gather(self, t):
+            return torch.stack([t, torch.tensor([4])])  # the other rank kept 4
+
+    monkeypatch.setattr(RolloutDataModule, "world", property(lambda self: (0, 2)))
+    dm = RolloutDataModule(Bandit(), n_groups=4, group_size=2)
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=2, strategy=Strategy())
+    padded = dm._pad_for_ranks(batch, keep)
+    assert len(padded) == 4
+    assert padded.loss_mask[2:].sum() == 0 and padded.rewards[2:].abs().sum() == 0
+    assert padded.group_ids.tolist() == [0, 0, -1, -2]
+    torch.testing.assert_close(grpo(padded.scores, padded.group_ids)[:2], grpo(batch.scores[:2], batch.group_ids[:2]))

@@ -108,3 +108,10 @@ def test_data_config_errors(tiny_model_path):
         RolloutDataModule(Bandit(), group_size=0)
     with pytest.raises(ValueError, match=r"`data.val_envs` must have distinct tags"):
         RolloutDataModule(Bandit(), val_envs=[Sokoban(), Sokoban()])
+
+
+def test_grpo_needs_groups_of_two(tiny_model_path):
+    module = RagenModule(str(tiny_model_path), advantage=GRPO())
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=1)
+    with pytest.raises(ValueError, match=r"`data.group_size` must be >= 2 for GRPO, got 1"):
+        trainer(1).fit(module, dm)
