@@ -127,7 +127,7 @@ class EchoTrapAlarm(Callback):
         std_floor: float = 1e-3,
         entropy_ratio: float = 0.5,
         spike_ratio: float = 5.0,
-        max_repetition: float = 0.9,
+        max_repetition: float = 0.6,
         min_signals: int = 2,
         patience: int = 2,
         action: Literal["warn", "checkpoint", "stop"] = "warn",
@@ -207,7 +207,7 @@ class EchoTrapAlarm(Callback):
                    f"(in-group reward std collapsing, entropy falling or gradient spiking). Consider a stronger "
                    f"variance filter, a lower learning rate, or clip-higher.")
         rank_zero_warn(message)
-        pl_module.log("echo_trap/fired", 1.0)
+        pl_module.log("echo_trap/fired", 1.0, batch_size=1)
         if self.action == "checkpoint":
             path = Path(trainer.log_dir or trainer.default_root_dir) / f"echo-trap-step{trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)

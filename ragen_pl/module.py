@@ -378,11 +378,18 @@ class RagenModule(pl.LightningModule):
             batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
             metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
         batch.advantages, batch.returns = self.advantage(batch)
+        # Sampled-token negative log-likelihood: a Monte-Carlo estimate of the policy's entropy, per token and
+        # summed over each trajectory (the paper's trajectory entropy).
+        nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
+        real = batch.loss_mask.any(-1)
+        metrics["rollout/token_entropy"] = nll.sum() / batch.loss_mask.sum().clamp(min=1)
+        metrics["rollout/trajectory_entropy"] = nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())
         metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)
         metrics["adv/abs_mean"] = masked_mean(batch.advantages.abs(), batch.loss_mask)
         if batch.values is not None:
             metrics["critic/values_mean"] = masked_mean(batch.values, batch.loss_mask)
             metrics["critic/returns_mean"] = masked_mean(batch.returns, batch.loss_mask)
+            metrics["critic/explained_variance"] = explained_variance(batch.values, batch.returns, batch.loss_mask)
         return metrics
 
     def _reference_logprobs(self, ids: Tensor, attn: Tensor, mask: Tensor) -> Tensor:
@@ -525,6 +532,14 @@ class RagenModule(pl.LightningModule):
         if "shuffle" in state:
             self.shuffle.set_state(state["shuffle"])
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over the sampled tokens: 1 is a perfect critic, <= 0 useless."""
+    v, r = values[mask].double(), returns[mask].double()
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return torch.tensor(float("nan"))
+    return (1 - (r - v).var() / r.var()).float()
 
 
 def _pad_to(x: Tensor, T: int) -> Tensor:

@@ -75,3 +75,24 @@ def test_step0_validation_and_samples(tiny_model_path, tmp_path):
     assert len(samples) == 1
     lines = [json.loads(x) for x in samples[0].read_text().splitlines()]
     assert len(lines) == 3 and lines[0]["env"] == "Bandit" and lines[0]["transcript"][0]["role"] == "env"
+
+
+@pytest.mark.slow
+def test_alarm_stops_a_provoked_collapse(tmp_path):
+    """GRPO with a learning rate 10x too high drives the warm-started tiny model into the Echo Trap within a few
+    iterations (every answer malformed and alike, in-group reward std 0): the alarm must fire and stop the run."""
+    from ragen_pl.advantages import GRPO
+    from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.module import OptimConfig
+    from ragen_pl.tiny import TINY_MODEL_ID, warm_start_rollout
+
+    alarm = EchoTrapAlarm(window=4, patience=2, action="stop")
+    module = RagenModule(TINY_MODEL_ID, advantage=GRPO(), ppo=PPOConfig(mini_batch_size=32, micro_batch_size=32),
+                         optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Sokoban(), n_groups=4, group_size=8, filter=NoFilter(), rollout=warm_start_rollout())
+    trainer = pl.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         limit_val_batches=0, callbacks=[alarm], default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"Echo Trap alarm at step \d+: .*reward_std=0.*repetition="):
+        trainer.fit(module, dm)
+    assert alarm.fired_at is not None and alarm.fired_at <= 8
+    assert trainer.global_step < 12  # stopped early

@@ -115,3 +115,14 @@ def test_grpo_needs_groups_of_two(tiny_model_path):
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=1)
     with pytest.raises(ValueError, match=r"`data.group_size` must be >= 2 for GRPO, got 1"):
         trainer(1).fit(module, dm)
+
+
+def test_explained_variance():
+    from ragen_pl.module import explained_variance
+
+    r = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    assert float(explained_variance(r, r, mask)) == 1.0  # perfect critic
+    assert float(explained_variance(torch.zeros_like(r) + 2, r, mask)) == 0.0  # predicts the mean
+    # values [1, 1, 1]: residuals [0, 1, 2], var 1; returns var 1 -> 0
+    assert float(explained_variance(torch.ones_like(r), r, mask)) == pytest.approx(0.0)
