@@ -157,6 +157,19 @@ class EchoTrapAlarm(Callback):
         self.fired_at: int | None = None
         self.last_signals: dict[str, float] = {}
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The trailing windows survive a resume, so the alarm compares against the run's own history."""
+        return {"history": {k: list(v) for k, v in self.history.items()}, "streak": self.streak,
+                "fired_at": self.fired_at}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for k, values in state_dict.get("history", {}).items():
+            self.history[k] = deque(values, maxlen=self.window)
+        self.streak = state_dict.get("streak", 0)
+        self.fired_at = state_dict.get("fired_at")
+
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed one step's metrics; return the signals that hold now, with their values."""
         signals: dict[str, float] = {}

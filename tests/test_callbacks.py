@@ -96,3 +96,44 @@ def test_alarm_stops_a_provoked_collapse(tmp_path):
         trainer.fit(module, dm)
     assert alarm.fired_at is not None and alarm.fired_at <= 8
     assert trainer.global_step < 12  # stopped early
+
+
+def test_alarm_history_survives_a_checkpoint():
+    alarm = EchoTrapAlarm(window=3)
+    for m in stream(5, lambda i: 0.5, lambda i: 1.0, lambda i: 1.0):
+        alarm.observe(m)
+    restored = EchoTrapAlarm(window=3)
+    restored.load_state_dict(json.loads(json.dumps(alarm.state_dict())))
+    assert {k: list(v) for k, v in restored.history.items()} == {k: list(v) for k, v in alarm.history.items()}
+    assert restored.observe({"filter/reward_std_before": 0.01}) == alarm.observe({"filter/reward_std_before": 0.01})
+
+
+@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
+def test_other_loggers(kind, tiny_model_path, tmp_path, monkeypatch):
+    """wandb in offline mode (no network) and TensorBoard both take a run, sample table included."""
+    if kind == "wandb":
+        pytest.importorskip("wandb", reason="pip install 'ragen-pl[wandb]'")
+        from lightning.pytorch.loggers import WandbLogger
+
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="ragen-pl-test")
+    else:
+        pytest.importorskip("tensorboard", reason="pip install tensorboard")
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(tmp_path)
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=2,
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+    trainer = pl.Trainer(max_steps=1, val_check_interval=1, check_val_every_n_epoch=None, logger=logger,
+                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[TrajectorySamples(n=2)],
+                         default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    if kind == "wandb":
+        logger.experiment.finish()
+        runs = list((tmp_path / "wandb").glob("offline-run-*"))
+        assert runs and list(runs[0].glob("*.wandb"))
+    else:
+        assert list(tmp_path.rglob("events.out.tfevents.*"))
+    assert list(tmp_path.rglob("samples/step_*.jsonl"))

@@ -1,0 +1,72 @@
+"""The embedded tiny model: built offline, saved and loaded through the hub code path, tokenizer round trip."""
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ragen_pl.envs.frozen_lake import FrozenLake
+from ragen_pl.envs.sokoban import Sokoban
+from ragen_pl.sft import demonstrations, encode, read_jsonl, sft, write_jsonl
+from ragen_pl.tiny import TAG_TOKENS, build_tokenizer, warm_start_rollout
+
+TEXTS = [
+    "<|im_start|>user\nTurn 1:\nState:\n######\n#_√P_#\n#OX__#\n######\nYou have 5 actions left.<|im_end|>\n",
+    "<think>I will go Up.</think><answer>Up || Left</answer>",
+    "héllo ünïcode 日本語 🎉 \t tabs\r\nand CRLF",
+    "Numbers: [18, 73, 98, 9]. Target: 189. ((18 + 73) + 98)",
+    "",
+    "P___\n__O_\n√XSG",
+]
+
+
+def test_auto_tokenizer_round_trip_matches_the_built_tokenizer(tiny_model_path):
+    loaded = AutoTokenizer.from_pretrained(tiny_model_path)
+    built = build_tokenizer()
+    assert type(loaded).__name__ == "Qwen2Tokenizer"  # what transformers picks for a qwen2 config
+    assert json.loads((tiny_model_path / "config.json").read_text())["model_type"] == "qwen2"
+    for text in TEXTS:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert ids == built(text, add_special_tokens=False)["input_ids"], text
+        assert loaded.decode(ids) == text
+    for tag in TAG_TOKENS + ["<|im_start|>", "<|im_end|>"]:
+        assert len(loaded(tag, add_special_tokens=False)["input_ids"]) == 1, tag
+    for word in ("Up", " Down", " Left", " Right"):
+        assert len(loaded(word, add_special_tokens=False)["input_ids"]) == 1, word
+    assert loaded.eos_token == "<|im_end|>" and loaded.pad_token == "<|endoftext|>"
+    chat = loaded.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_model_loads_through_from_pretrained(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.config.hidden_size // model.config.num_attention_heads == 32  # vLLM's CPU kernels need >= 32
+    out = model(torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, model.config.vocab_size)
+
+
+def test_demonstrations_are_random_legal_play_in_the_rollout_layout(tiny_model_path):
+    config = warm_start_rollout()
+    records = demonstrations([Sokoban(), FrozenLake()], 5, config, seed=0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    for r in records:
+        assert 1 <= len(r["turns"]) <= config.max_turns
+        for turn in r["turns"]:
+            answer = turn["assistant"].split("<answer>")[1].split("</answer>")[0]
+            actions = [a.strip() for a in answer.split("||")]
+            assert 1 <= len(actions) <= config.max_actions_per_turn
+            assert all(a in Sokoban.actions for a in actions)  # legal names (both envs use these four)
+        ids, mask = encode(r, tok)
+        assistant = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert assistant == "".join(t["assistant"] for t in r["turns"])  # the loss covers exactly the answers
+
+
+def test_sft_command_path_lowers_the_loss(tiny_model_path, tmp_path):
+    records = demonstrations([Sokoban()], 8, warm_start_rollout(), seed=1)
+    write_jsonl(records, tmp_path / "d.jsonl")
+    assert read_jsonl(tmp_path / "d.jsonl") == records
+    first = sft(tiny_model_path, records, tmp_path / "a", steps=1, lr=3e-3, batch_size=8, progress=False)
+    last = sft(tiny_model_path, records, tmp_path / "b", steps=30, lr=3e-3, batch_size=8, progress=False)
+    assert last < first - 1.0
+    assert (tmp_path / "b" / "config.json").exists() and (tmp_path / "b" / "tokenizer.json").exists()
