@@ -147,18 +147,9 @@ def bilevel_gae(
                     ("lam_token", lam_token)):
         if v < 0:
             raise ValueError(f"`{name}` must be >= 0, got {v}")
+    # Turn level: plain GAE over the turn-end tokens only (the other positions are skipped), so G_k = A_k + V(e_k).
+    _, turn_returns = gae(rewards, values, turn_ends, gamma_turn, lam_turn)
     B, T = rewards.shape
-    turn_returns = torch.zeros_like(rewards)
-    next_value = rewards.new_zeros(B)
-    last_gae = rewards.new_zeros(B)
-    for t in reversed(range(T)):
-        end = turn_ends[:, t]
-        delta = rewards[:, t] + gamma_turn * next_value - values[:, t]
-        current = delta + gamma_turn * lam_turn * last_gae
-        turn_returns[:, t] = torch.where(end, current + values[:, t], 0.0)
-        last_gae = torch.where(end, current, last_gae)
-        next_value = torch.where(end, values[:, t], next_value)
-
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(B)
     last_gae = rewards.new_zeros(B)
