@@ -45,11 +45,11 @@ def main() -> None:
     train = sorted({k for r in rows for k in r if k.startswith("rollout/") and k.endswith("/success")}) or \
         ["rollout/success"]
     times = {int(r["step"]): None for r in rows if r.get("step")}
-    print(f"model build (once, cached): {built:.1f}s; training {args.steps} iterations: {wall:.1f}s "
+    print(f"model build or cache lookup: {built:.1f}s; training {args.steps} iterations: {wall:.1f}s "
           f"({wall / args.steps:.2f}s per iteration)")
     for key in train:
         hit = next((int(r["step"]) for r in rows if r.get(key) and float(r[key]) >= args.threshold), None)
-        label = key.replace("rollout/", "").replace("/success", "") or "all"
+        label = key.replace("rollout/", "").replace("/success", "").replace("success", "all envs")
         if hit is None:
             print(f"{label}: training success never reached {args.threshold}")
         else:

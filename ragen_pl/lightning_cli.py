@@ -66,12 +66,16 @@ def run_lightning_cli(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     # The checkpoint after an iteration is the one to resume from; manual optimisation makes Lightning say so.
     warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
+    # vLLM initialises torch.distributed even in one process; RagenModule already logs with sync_dist=True.
+    warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
+    # main() always passes its argv explicitly (it also serves tests and scripts).
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         RagenCLI(
             RagenModule,
             RolloutDataModule,
-            args=None if argv == sys.argv[1:] else argv,
+            args=argv,
             auto_configure_optimizers=False,
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
