@@ -438,9 +438,13 @@ class RagenModule(pl.LightningModule):
     def training_step(self, dataloader_iter) -> None:
         rollout, _, _ = next(dataloader_iter)
         batch: TrajectoryBatch = rollout.batch.to(self.device)
+        rollout.batch = batch
         metrics = {k: v for k, v in rollout.metrics.items()}
         t0 = time.perf_counter()
-        metrics.update(self.prepare(batch))
+        if batch.old_logprobs is None:
+            metrics.update(self.prepare(batch))
+        # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
+        # the policy that sampled it, so PPO's ratio stays the importance weight against the behaviour policy.
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         t2 = time.perf_counter()

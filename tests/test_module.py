@@ -126,3 +126,19 @@ def test_explained_variance():
     assert float(explained_variance(torch.zeros_like(r) + 2, r, mask)) == 0.0  # predicts the mean
     # values [1, 1, 1]: residuals [0, 1, 2], var 1; returns var 1 -> 0
     assert float(explained_variance(torch.ones_like(r), r, mask)) == pytest.approx(0.0)
+
+
+def test_reused_rollout_keeps_the_behaviour_policy(tiny_model_path):
+    """With rollout_every_n_steps=2 the second step trains on the same trajectories against the log-probs of the
+    policy that sampled them: the ratio is no longer 1, so the approximate KL is positive."""
+    module, dm = make(tiny_model_path, ppo=PPOConfig(mini_batch_size=8, micro_batch_size=4), rollout_every_n_steps=2)
+    seen = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(trainer.callback_metrics["loss/approx_kl"]))
+
+    t = trainer(2, callbacks=[Spy()])
+    t.fit(module, dm)
+    assert dm.iteration == 1  # one rollout for two steps
+    assert seen[0] == 0.0 and seen[1] > 0.0
