@@ -108,3 +108,17 @@ def test_bad_value_is_one_line_naming_the_flag(tiny_model_path, capsys):
     assert code == 2
     assert "`model.ppo.clip_low` must be in [0, 1)" in err
     assert "Traceback" not in err
+
+
+def test_validate_and_test_from_a_checkpoint(tiny_model_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    shrink = [a for a in SHRINK if not a.startswith(("--trainer.enable_checkpointing", "--trainer.limit_val_batches"))]
+    base = ["--config", str(ROOT / "configs" / "bandit.yaml"), f"--model.model={tiny_model_path}"]
+    assert main(["fit", *base, *shrink, f"--trainer.default_root_dir={tmp_path}"]) == 0
+    ckpt = next(tmp_path.rglob("last.ckpt"))
+    evaluate = [a for a in shrink if not a.startswith("--trainer.max_steps")]
+    for command in ("validate", "test"):
+        assert main([command, *base, *evaluate, f"--ckpt_path={ckpt}"]) == 0
+    out = capsys.readouterr().out
+    assert "val/Bandit/success" in out and "test/Bandit/success" in out
+    assert "test/BanditTraderLibrarian/success" in out  # every configured eval env
