@@ -2,7 +2,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from ragen_pl.advantages import GAE, GRPO
+from ragen_pl.advantages import GAE, GRPO, RLOO, BiLevelGAE, ReinforcePP
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.sokoban import Sokoban
@@ -25,7 +25,8 @@ def trainer(steps, **kw):
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, **kw)
 
 
-@pytest.mark.parametrize("advantage", [GAE(), GRPO()], ids=["gae", "grpo"])
+@pytest.mark.parametrize("advantage", [GAE(), GRPO(), BiLevelGAE(), RLOO(), ReinforcePP()],
+                         ids=["gae", "grpo", "bilevel_gae", "rloo", "reinforce_pp"])
 def test_two_steps_change_every_trainable_parameter(tiny_model_path, advantage):
     module, dm = make(tiny_model_path, advantage=advantage)
     before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
@@ -38,7 +39,7 @@ def test_two_steps_change_every_trainable_parameter(tiny_model_path, advantage):
         assert torch.isfinite(m[key]), key
     unchanged = [n for n, p in module.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
     assert not unchanged, f"parameters that did not change: {unchanged[:5]}"
-    if isinstance(advantage, GRPO):
+    if not type(advantage).needs_critic:
         assert module.critic is None and "loss/value" not in m
     else:
         assert module.critic is not None and torch.isfinite(m["loss/value"])
@@ -142,3 +143,19 @@ def test_reused_rollout_keeps_the_behaviour_policy(tiny_model_path):
     t.fit(module, dm)
     assert dm.iteration == 1  # one rollout for two steps
     assert seen[0] == 0.0 and seen[1] > 0.0
+
+
+def test_shared_critic_with_gradient_checkpointing_and_kl_reward(tiny_model_path):
+    module = RagenModule(str(tiny_model_path), critic="shared", gradient_checkpointing=True,
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2, kl_coeff=0.01, kl_mode="reward"),
+                         optim=OptimConfig(actor_lr=1e-3))
+    assert module.critic is None and module.value_head is not None and module.reference is not None
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8))
+    head = module.value_head.weight.detach().clone()
+    t = trainer(1)
+    t.fit(module, dm)
+    m = t.callback_metrics
+    assert torch.isfinite(m["loss/value"]) and torch.isfinite(m["loss/kl_reward"]) and "loss/kl" not in m
+    assert not torch.equal(module.value_head.weight, head)  # the value head trains with the policy's optimiser
+    assert len(t.optimizers) == 1
