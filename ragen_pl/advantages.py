@@ -220,17 +220,20 @@ def rloo(scores: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def _grouped(fn, batch: TrajectoryBatch, **kwargs) -> Tensor:
-    """Apply a group estimator to the trajectories that can have one; broadcast to sampled tokens.
+    """Apply a group estimator to the trajectories that can have one; broadcast to their sampled tokens.
 
-    Rows without sampled tokens (padding between ranks) and trajectories left alone in their group (their
-    group-mates' envs failed) get advantage 0: they carry no group-relative signal.
+    Statistics count each trajectory once, however many rows (turns) it has. Trajectories without sampled tokens
+    (padding between ranks) and trajectories left alone in their group (their group-mates' envs failed) get
+    advantage 0: they carry no group-relative signal.
     """
-    _, _, count = group_stats(batch.scores, batch.group_ids)
-    usable = batch.loss_mask.any(-1) & (count > 1)
-    adv = torch.zeros_like(batch.scores)
+    stats = batch.stats()
+    inverse, _ = batch.trajectory_index()
+    _, _, count = group_stats(stats.scores, stats.group_ids)
+    usable = (stats.lengths > 0) & (count > 1)
+    adv = torch.zeros_like(stats.scores)
     if bool(usable.any()):
-        adv[usable] = fn(batch.scores[usable], batch.group_ids[usable], **kwargs)
-    return adv[:, None] * batch.loss_mask
+        adv[usable] = fn(stats.scores[usable], stats.group_ids[usable], **kwargs)
+    return adv[inverse][:, None] * batch.loss_mask
 
 
 def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -288,7 +291,9 @@ class GAE(Advantage):
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor]:
-        adv, ret = gae(batch.rewards, _values_of(batch, "GAE"), batch.loss_mask, self.gamma, self.lam)
+        st = batch.stitch  # turns as rows: GAE runs over each trajectory's rows laid end to end
+        adv, ret = gae(st(batch.rewards), st(_values_of(batch, "GAE")), st(batch.loss_mask), self.gamma, self.lam)
+        adv, ret = batch.unstitch(adv), batch.unstitch(ret)
         return (masked_whiten(adv, batch.loss_mask) if self.whiten else adv), ret
 
 
@@ -320,10 +325,12 @@ class BiLevelGAE(Advantage):
         self.gamma_token, self.lam_token, self.whiten = gamma_token, lam_token, whiten
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor]:
+        st = batch.stitch
         adv, ret = bilevel_gae(
-            batch.rewards, _values_of(batch, "BiLevelGAE"), batch.loss_mask, batch.turn_ends,
+            st(batch.rewards), st(_values_of(batch, "BiLevelGAE")), st(batch.loss_mask), st(batch.turn_ends),
             self.gamma_turn, self.lam_turn, self.gamma_token, self.lam_token,
         )
+        adv, ret = batch.unstitch(adv), batch.unstitch(ret)
         return (masked_whiten(adv, batch.loss_mask) if self.whiten else adv), ret
 
 
@@ -368,4 +375,5 @@ class ReinforcePP(Advantage):
         self.gamma = gamma
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
-        return reinforce_pp(batch.rewards, batch.loss_mask, self.gamma), None
+        st = batch.stitch
+        return batch.unstitch(reinforce_pp(st(batch.rewards), st(batch.loss_mask), self.gamma)), None

@@ -192,11 +192,13 @@ class RolloutDataModule(pl.LightningDataModule):
             self.engine.sleep()
 
     def _filter(self, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """(B,) kept rows: the filter keeps whole groups of trajectories (and so every row of a trajectory)."""
         stats = batch.stats()
+        rows, _ = batch.trajectory_index()
         rank, world = self.world
         if world == 1:
             out = self.filter(stats)
-            return out.keep, out.metrics
+            return out.keep[rows], out.metrics
         # All-gather the small per-trajectory stats (padded to one size, with a validity flag), filter globally.
         size = self.n_groups // world * self.group_size
         packed = torch.zeros(size, 4, dtype=torch.float64)
@@ -213,7 +215,7 @@ class RolloutDataModule(pl.LightningDataModule):
         out = self.filter(everyone)
         mine = torch.zeros(world * size, dtype=torch.bool)
         mine[rank * size:rank * size + n] = True
-        return out.keep[mine[valid]], out.metrics
+        return out.keep[mine[valid]][rows], out.metrics
 
     def _pad_for_ranks(self, batch: TrajectoryBatch, keep: Tensor) -> TrajectoryBatch:
         """Keep the filtered rows, then pad with masked-out rows to the largest kept count over ranks."""
@@ -231,6 +233,8 @@ class RolloutDataModule(pl.LightningDataModule):
         filler.rewards = torch.zeros_like(filler.rewards)
         # ... and sit in groups of their own, so group statistics (GRPO, RLOO, reward norm) never see them.
         filler.group_ids = -1 - torch.arange(len(filler), dtype=filler.group_ids.dtype)
+        if filler.traj_ids is not None:
+            filler.traj_ids = -1 - torch.arange(len(filler), dtype=filler.traj_ids.dtype)
         if len(kept) == 0:
             return filler
         return TrajectoryBatch(**{  # both come from `batch`, so they share its padded length T

@@ -104,11 +104,15 @@ class Filter(ABC):
     """Base class of trajectory filters (entry-point group ``ragen_pl.filters``)."""
 
     def __call__(self, batch: TrajectoryBatch | TrajectoryStats) -> FilterResult:
-        """Select groups. Pass all-gathered :class:`TrajectoryStats` to select across ranks."""
+        """Select groups. ``keep`` is over the batch's rows, or over the entries of :class:`TrajectoryStats` (pass
+        all-gathered stats to select across ranks)."""
+        rows = batch.trajectory_index()[0] if isinstance(batch, TrajectoryBatch) else None
         batch = _stats(batch)
         _, inverse = _group_index(batch.group_ids)
         keep_groups = self.select(batch)
         keep = keep_groups[inverse]
+        if rows is not None:
+            keep = keep[rows]
         std = group_metric(batch, "reward_std")
         kept_std = std[keep_groups]
         metrics = {

@@ -47,7 +47,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         groups[ep.spec.group_id].append(ep)
     group_std = [torch.tensor([e.env_return for e in g], dtype=torch.float64).std().item()
                  for g in groups.values() if len(g) > 1]
-    tokens = [sum(ep.chat.sampled) for ep in ok if ep.chat is not None]
+    tokens = [ep.response_tokens for ep in ok]
     # The Echo Trap's repetition: the share of a group's first answers that repeat another answer in the group.
     repetition = []
     for g in groups.values():

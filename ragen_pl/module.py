@@ -369,10 +369,16 @@ class RagenModule(pl.LightningModule):
             batch.ref_logprobs = torch.cat(ref)
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
-            # The normalised trajectory score replaces the token rewards, on the last sampled token (RAGEN's rule).
-            scores = self.reward_norm(batch.scores, batch.group_ids, batch.env_tags)
-            last = _last_true(batch.loss_mask)
-            batch.rewards = torch.zeros_like(batch.rewards).scatter(1, last[:, None], scores[:, None].float())
+            # The normalised trajectory score replaces the token rewards, on the trajectory's last sampled token
+            # (RAGEN's rule); statistics count each trajectory once, whatever its number of rows.
+            stats = batch.stats()
+            inverse, first = batch.trajectory_index()
+            scores = self.reward_norm(stats.scores, stats.group_ids, [batch.env_tags[i] for i in first.tolist()])
+            last_row = torch.zeros_like(first).scatter_reduce(0, inverse, torch.arange(len(batch), device=first.device),
+                                                              reduce="amax", include_self=False)
+            rewards = torch.zeros_like(batch.rewards)
+            rewards[last_row, _last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
+            batch.rewards = torch.where(batch.loss_mask, rewards, 0.0)
         if self.ppo.kl_coeff > 0 and self.ppo.kl_mode == "reward":
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.ppo.kl_estimator)
             batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)

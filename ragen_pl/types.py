@@ -54,6 +54,9 @@ class TrajectoryBatch:
         values: (B, T) float or None. Critic values at sampling time (only with a critic).
         advantages: (B, T) float or None. Filled by the advantage estimator.
         returns: (B, T) float or None. Critic targets, filled by estimators that use a critic.
+        traj_ids: (B,) long or None. With a context window each turn is its own row (its prompt holds only the
+            last turns); rows of one trajectory share a traj id and follow each other in turn order. None means
+            every row is a whole trajectory.
     """
 
     input_ids: Tensor
@@ -68,14 +71,15 @@ class TrajectoryBatch:
     values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    traj_ids: Tensor | None = None
 
     def __post_init__(self) -> None:
         B, T = self.input_ids.shape
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "group_ids":
-                if value.shape != (B,):
-                    raise ValueError(f"`group_ids` must have shape ({B},), got {tuple(value.shape)}")
+            if f.name in ("group_ids", "traj_ids"):
+                if value is not None and value.shape != (B,):
+                    raise ValueError(f"`{f.name}` must have shape ({B},), got {tuple(value.shape)}")
             elif f.name == "env_tags":
                 if len(value) != B:
                     raise ValueError(f"`env_tags` must have {B} entries, got {len(value)}")
@@ -88,10 +92,31 @@ class TrajectoryBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def trajectory_index(self) -> tuple[Tensor, Tensor]:
+        """``(inverse, first)``: each row's trajectory (0..n-1, in order of first row) and each trajectory's first row."""
+        B = self.input_ids.shape[0]
+        if self.traj_ids is None:
+            ar = torch.arange(B, device=self.input_ids.device)
+            return ar, ar
+        _, inverse = torch.unique_consecutive(self.traj_ids, return_inverse=True)
+        first = torch.ones(B, dtype=torch.bool, device=inverse.device)
+        first[1:] = inverse[1:] != inverse[:-1]
+        return inverse, first.nonzero().flatten()
+
+    @property
+    def row_scores(self) -> Tensor:
+        """(B,) reward on each row's sampled tokens (rewards elsewhere are ignored)."""
+        return torch.where(self.loss_mask, self.rewards, 0.0).sum(-1)
+
     @property
     def scores(self) -> Tensor:
-        """(B,) trajectory reward: the sum of token rewards on sampled tokens (rewards elsewhere are ignored)."""
-        return (self.rewards * self.loss_mask).sum(-1)
+        """(B,) the reward of each row's whole trajectory (the sum over its rows when turns are rows)."""
+        row = self.row_scores
+        if self.traj_ids is None:
+            return row
+        inverse, first = self.trajectory_index()
+        total = torch.zeros(len(first), dtype=row.dtype, device=row.device).index_add_(0, inverse, row)
+        return total[inverse]
 
     @property
     def response_lengths(self) -> Tensor:
@@ -106,11 +131,40 @@ class TrajectoryBatch:
         return self.loss_mask & (nxt != self.turn_ids)
 
     def stats(self) -> TrajectoryStats:
+        """One entry per trajectory (rows of one trajectory are merged); see :meth:`trajectory_index`."""
+        inverse, first = self.trajectory_index()
+        n = len(first)
+
+        def per_traj(x: Tensor) -> Tensor:
+            return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+        lengths = per_traj(self.response_lengths)
         entropy = None
         if self.old_logprobs is not None:
-            m = self.loss_mask
-            entropy = torch.where(m, -self.old_logprobs, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
-        return TrajectoryStats(self.scores, self.group_ids, self.response_lengths, entropy)
+            entropy = per_traj(torch.where(self.loss_mask, -self.old_logprobs, 0.0).sum(-1)) / lengths.clamp(min=1)
+        return TrajectoryStats(self.scores[first], self.group_ids[first], lengths, entropy)
+
+    def stitch(self, x: Tensor) -> Tensor:
+        """(B, T) rows -> (n, K*T): each trajectory's rows laid end to end (K = most rows of a trajectory).
+
+        Positions outside the loss mask are skipped by the estimators, so the padding in between is harmless.
+        """
+        if self.traj_ids is None:
+            return x
+        inverse, first = self.trajectory_index()
+        k = torch.arange(len(inverse), device=x.device) - first[inverse]  # row number inside its trajectory
+        out = x.new_zeros((len(first), int(k.max()) + 1, x.shape[1]))
+        out[inverse, k] = x
+        return out.reshape(len(first), -1)
+
+    def unstitch(self, y: Tensor) -> Tensor:
+        """Inverse of :meth:`stitch`."""
+        if self.traj_ids is None:
+            return y
+        inverse, first = self.trajectory_index()
+        T = self.input_ids.shape[1]
+        k = torch.arange(len(inverse), device=y.device) - first[inverse]
+        return y.reshape(len(first), -1, T)[inverse, k]
 
     def select(self, index: Tensor) -> TrajectoryBatch:
         """The trajectories at ``index`` (a (B,) bool mask or a long index tensor)."""

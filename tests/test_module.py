@@ -159,3 +159,31 @@ def test_shared_critic_with_gradient_checkpointing_and_kl_reward(tiny_model_path
     assert torch.isfinite(m["loss/value"]) and torch.isfinite(m["loss/kl_reward"]) and "loss/kl" not in m
     assert not torch.equal(module.value_head.weight, head)  # the value head trains with the policy's optimiser
     assert len(t.optimizers) == 1
+
+
+@pytest.mark.parametrize("advantage", [GAE(), GRPO()], ids=["gae", "grpo"])
+def test_training_with_a_context_window(tiny_model_path, advantage):
+    """Turns as rows: filtering keeps whole trajectories, reward normalisation counts each trajectory once."""
+    from ragen_pl.filters import VarianceTopP
+    from ragen_pl.rewards import RewardNorm
+
+    module = RagenModule(str(tiny_model_path), advantage=advantage, reward_norm=RewardNorm(method="mean_std"),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-3))
+    dm = RolloutDataModule(Sokoban(), n_groups=4, group_size=2, filter=VarianceTopP(top_p=0.5),
+                           rollout=RolloutConfig(max_turns=3, max_new_tokens=6, context_window=1))
+    t = trainer(2)
+    t.fit(module, dm)
+    assert torch.isfinite(t.callback_metrics["loss/policy"])
+    batch = dm._last.batch
+    assert batch.traj_ids is not None
+    inverse, first = batch.trajectory_index()
+    assert len(batch) > len(first)  # several rows per trajectory
+    # Whole trajectories were kept: each kept trajectory's rows are its turns 0, 1, ... in order, none missing.
+    for j in range(len(first)):
+        row_turns = [int(batch.turn_ids[b].max()) for b in (inverse == j).nonzero().flatten().tolist()]
+        assert row_turns == list(range(len(row_turns)))
+    # The normalised score sits on each trajectory's last row only.
+    last_rows = {int(r) for r in torch.tensor([int((inverse == j).nonzero().max()) for j in range(len(first))])}
+    for b in range(len(batch)):
+        if b not in last_rows:
+            assert float(batch.rewards[b].abs().sum()) == 0.0

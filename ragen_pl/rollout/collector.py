@@ -60,6 +60,9 @@ class RolloutConfig:
     """Top-k sampling; -1 turns it off."""
     reward_placement: Literal["turn", "last_turn"] = "turn"
     """Put each turn's reward on that turn's last sampled token, or the whole return on the last turn's."""
+    context_window: int | None = None
+    """Keep only the last K turns in the prompt (the instructions always stay); each turn then trains as its own
+    row. None keeps the whole conversation in one sequence."""
     max_seq_len: int = 4096
     """A trajectory whose tokens would pass this length ends (truncated) before the next turn."""
     step_timeout_s: float = 5.0
@@ -74,6 +77,8 @@ class RolloutConfig:
                 raise ValueError(f"`rollout.{name}` must be an integer >= 1, got {value!r}")
         if self.reward_placement not in ("turn", "last_turn"):
             raise ValueError(f"`rollout.reward_placement` must be 'turn' or 'last_turn', got {self.reward_placement!r}")
+        if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
+            raise ValueError(f"`rollout.context_window` must be an integer >= 1 or null, got {self.context_window!r}")
         if self.step_timeout_s <= 0:
             raise ValueError(f"`rollout.step_timeout_s` must be > 0, got {self.step_timeout_s}")
         self.sampling_params()  # validates temperature, top_p, top_k
@@ -163,14 +168,91 @@ class ChatTokens:
         self.messages[-1] = {"role": "assistant", "content": "..."}  # content no longer matters, only the layout
         self.messages.append({"role": "user", "content": text})
 
+    # The collector's view of a conversation (shared with WindowChat).
+    def prompt_ids(self) -> list[int]:
+        """What the engine is fed next."""
+        return self.ids
+
+    def extend_user(self, text: str, ended_with_eos: bool, max_prompt: int) -> bool:
+        """Add the next user message, unless the next prompt would pass ``max_prompt`` tokens (then False)."""
+        suffix = self.user_suffix_ids(text, ended_with_eos)
+        if len(self.ids) + len(suffix) > max_prompt:
+            return False
+        self.add_user(suffix, text)
+        return True
+
+    def last_sampled(self) -> tuple[int, int]:
+        """(row, position) of the newest sampled token: where a turn's reward goes."""
+        return 0, len(self.ids) - 1
+
+    def rows(self) -> list[tuple[list[int], list[bool], list[int]]]:
+        """The training rows: (ids, sampled mask, turn ids). One row: the whole conversation."""
+        return [(self.ids, self.sampled, self.turn_ids)]
+
+
+class WindowChat:
+    """A conversation whose prompt keeps only the last ``window`` turns (the instructions always stay).
+
+    Each turn's prompt is rendered afresh, so a trajectory is no longer one token sequence: every turn becomes its
+    own training row, made of exactly the prompt ids fed for that turn and the ids sampled after them.
+    """
+
+    def __init__(self, tokenizer, system: str, first_user: str, think: bool, instructions: str, window: int) -> None:
+        self.tokenizer, self.system, self.instructions, self.window = tokenizer, system, instructions, window
+        self.open_tag = "<think>" if think else "<answer>"
+        self.history: list[tuple[int, str, str]] = []  # (turn, user text, assistant text), completed turns
+        self.user = (0, first_user)
+        self._rows: list[tuple[list[int], list[bool], list[int]]] = []
+        self._prompt: list[int] | None = None
+
+    def _render(self, history: list[tuple[int, str, str]], user: tuple[int, str]) -> list[int]:
+        kept = history[len(history) - (self.window - 1):] if self.window > 1 else []
+        messages = [{"role": "system", "content": self.system}]
+        for i, (turn, text, answer) in enumerate([*kept, (*user, None)]):
+            if i == 0 and turn > 0:  # the first kept message carries the rules, as turn 1's does
+                text = f"{self.instructions}\n\n{text}"
+            messages.append({"role": "user", "content": text})
+            if answer is not None:
+                messages.append({"role": "assistant", "content": answer})
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered + self.open_tag, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self) -> list[int]:
+        if self._prompt is None:
+            self._prompt = self._render(self.history, self.user)
+        return self._prompt
+
+    def add_response(self, ids: Sequence[int], turn: int) -> None:
+        prompt = self.prompt_ids()
+        self._rows.append((prompt + list(ids), [False] * len(prompt) + [True] * len(ids),
+                           [-1] * len(prompt) + [turn] * len(ids)))
+        answer = self.open_tag + self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        self._pending = (self.user[0], self.user[1], answer)
+
+    def extend_user(self, text: str, ended_with_eos: bool, max_prompt: int) -> bool:
+        history = [*self.history, self._pending]
+        user = (self._pending[0] + 1, text)
+        prompt = self._render(history, user)
+        if len(prompt) > max_prompt:
+            return False
+        self.history, self.user, self._prompt = history, user, prompt
+        return True
+
+    def last_sampled(self) -> tuple[int, int]:
+        return len(self._rows) - 1, len(self._rows[-1][0]) - 1
+
+    def rows(self) -> list[tuple[list[int], list[bool], list[int]]]:
+        return self._rows
+
 
 @dataclass
 class Episode:
     spec: EpisodeSpec
     env: Env
-    chat: ChatTokens | None = None
-    rewards: dict[int, float] = field(default_factory=dict)
-    """Token position -> reward."""
+    chat: ChatTokens | WindowChat | None = None
+    rewards: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(row, token position) -> reward."""
+    response_tokens: int = 0
     done: bool = False
     failed: str | None = None
     success: bool = False
@@ -221,9 +303,12 @@ class Collector:
                 episodes.append(ep)
                 continue
             t1 = time.perf_counter()
-            ep.chat = ChatTokens(self.tokenizer, c.system_prompt,
-                                 first_user_message(ep.env.instructions, obs, c.max_actions_per_episode, self._format()),
-                                 c.think)
+            first = first_user_message(ep.env.instructions, obs, c.max_actions_per_episode, self._format())
+            if c.context_window is None:
+                ep.chat = ChatTokens(self.tokenizer, c.system_prompt, first, c.think)
+            else:
+                ep.chat = WindowChat(self.tokenizer, c.system_prompt, first, c.think, ep.env.instructions,
+                                     c.context_window)
             ep.transcript.append({"role": "env", "observation": obs})
             timings["env"] += t1 - t0
             timings["tokenize"] += time.perf_counter() - t1
@@ -233,7 +318,11 @@ class Collector:
         for turn in range(c.max_turns):
             live = [ep for ep in episodes if not ep.done]
             t0 = time.perf_counter()
-            gens = self.engine.generate([ep.chat.ids for ep in live], params)  # type: ignore[union-attr]
+            t1 = time.perf_counter()
+            prompts = [ep.chat.prompt_ids() for ep in live]  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            timings["tokenize"] += t0 - t1
+            gens = self.engine.generate(prompts, params)
             timings["generate"] += time.perf_counter() - t0
             for ep, gen in zip(live, gens):
                 self._play_turn(ep, gen, turn, timings)
@@ -251,6 +340,7 @@ class Collector:
         assert chat is not None
         t0 = time.perf_counter()
         chat.add_response(gen.token_ids, turn)
+        ep.response_tokens += len(gen.token_ids)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         parsed = parse_answer(text, think=c.think, max_actions=c.max_actions_per_turn)
         timings["tokenize"] += time.perf_counter() - t0
@@ -285,7 +375,7 @@ class Collector:
         ep.format_errors += penalised
         turn_reward = reward + (c.format_penalty if penalised else 0.0)
         # Engines return at least one token per call, so the turn's reward has a sampled token to sit on.
-        last = len(chat.ids) - 1
+        last = chat.last_sampled()
         ep.rewards[last] = ep.rewards.get(last, 0.0) + turn_reward
         ep.transcript.append({"role": "model", "text": chat.open_tag + text, "actions": executed,
                               "reward": turn_reward, "format_ok": parsed.format_ok})
@@ -297,44 +387,44 @@ class Collector:
         t0 = time.perf_counter()
         message = next_user_message(turn + 2, turn_reward, obs, c.max_actions_per_episode - ep.actions, self._format())
         ended_eos = bool(gen.token_ids) and gen.token_ids[-1] in self._eos
-        suffix = chat.user_suffix_ids(message, ended_eos)
-        if len(chat.ids) + len(suffix) + c.max_new_tokens > c.max_seq_len:
+        if not chat.extend_user(message, ended_eos, max_prompt=c.max_seq_len - c.max_new_tokens):
             ep.done, ep.truncated = True, True
-        else:
-            chat.add_user(suffix, message)
         timings["tokenize"] += time.perf_counter() - t0
 
     def _assemble(self, episodes: list[Episode]) -> TrajectoryBatch | None:
-        if not episodes:
+        """Rows of the update batch: one per trajectory, or one per turn with a context window."""
+        rows = [(e, r, row) for e, ep in enumerate(episodes) for r, row in enumerate(ep.chat.rows())]  # type: ignore[union-attr]
+        if not rows:
             return None
         c = self.config
-        B = len(episodes)
-        T = max(len(ep.chat.ids) for ep in episodes)  # type: ignore[union-attr]
+        B, T = len(rows), max(len(row[0]) for _, _, row in rows)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((B, T), pad, dtype=torch.long)
         attention = torch.zeros((B, T), dtype=torch.bool)
         loss_mask = torch.zeros((B, T), dtype=torch.bool)
         turn_ids = torch.full((B, T), -1, dtype=torch.long)
         rewards = torch.zeros((B, T), dtype=torch.float32)
-        for b, ep in enumerate(episodes):
-            chat = ep.chat
-            assert chat is not None
-            n = len(chat.ids)
-            input_ids[b, :n] = torch.tensor(chat.ids)
+        for b, (e, r, (ids, sampled, turns)) in enumerate(rows):
+            n = len(ids)
+            input_ids[b, :n] = torch.tensor(ids)
             attention[b, :n] = True
-            loss_mask[b, :n] = torch.tensor(chat.sampled)
-            turn_ids[b, :n] = torch.tensor(chat.turn_ids)
+            loss_mask[b, :n] = torch.tensor(sampled)
+            turn_ids[b, :n] = torch.tensor(turns)
+            ep = episodes[e]
             if c.reward_placement == "turn":
-                for pos, r in ep.rewards.items():
-                    rewards[b, pos] = r
-            elif ep.rewards:
-                rewards[b, max(ep.rewards)] = sum(ep.rewards.values())
+                for (row, pos), reward in ep.rewards.items():
+                    if row == r:
+                        rewards[b, pos] = reward
+            elif ep.rewards and max(ep.rewards)[0] == r:
+                rewards[b, max(ep.rewards)[1]] = sum(ep.rewards.values())
+        windowed = c.context_window is not None
         return TrajectoryBatch(
             input_ids=input_ids,
             attention_mask=attention,
             loss_mask=loss_mask,
             rewards=rewards,
             turn_ids=turn_ids,
-            group_ids=torch.tensor([ep.spec.group_id for ep in episodes], dtype=torch.long),
-            env_tags=tuple(ep.env.tag for ep in episodes),
+            group_ids=torch.tensor([episodes[e].spec.group_id for e, _, _ in rows], dtype=torch.long),
+            env_tags=tuple(episodes[e].env.tag for e, _, _ in rows),
+            traj_ids=torch.tensor([e for e, _, _ in rows], dtype=torch.long) if windowed else None,
         )

@@ -158,3 +158,36 @@ def test_rollout_config_errors():
         RolloutConfig(max_turns=0)
     with pytest.raises(ValueError, match=r"`rollout.reward_placement` must be 'turn' or 'last_turn', got 'end'"):
         RolloutConfig(reward_placement="end")
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_context_window_rows_are_exactly_what_was_fed_and_sampled(tiny, window):
+    _, tok = tiny
+    answers = ["first</think><answer>Up</answer>", "second</think><answer>Left</answer>",
+               "third</think><answer>Down</answer>"]
+    engine = Recording(Scripted(tok, lambda turn, _: answers[turn]))
+    config = RolloutConfig(max_turns=3, context_window=window)
+    result = Collector(engine, tok, config).collect([EpisodeSpec(Sokoban(), seed=s, group_id=s) for s in range(2)])
+    batch = result.batch
+    assert len(batch) == 6 and batch.traj_ids.tolist() == [0, 0, 0, 1, 1, 1]  # one row per turn
+    rows = [(p, g) for prompts, gens in engine.calls for p, g in zip(prompts, gens)]
+    order = [0, 2, 4, 1, 3, 5]  # engine calls are turn-major, rows trajectory-major
+    for b, call in enumerate(order):
+        prompt, sampled = rows[call]
+        ids = batch.input_ids[b][batch.attention_mask[b]].tolist()
+        assert ids == prompt + sampled
+        assert batch.loss_mask[b][batch.attention_mask[b]].tolist() == [False] * len(prompt) + [True] * len(sampled)
+        text = tok.decode(prompt)
+        turn = b % 3
+        assert "You are solving the Sokoban puzzle" in text  # the rules always stay
+        assert f"Turn {turn + 1}:" in text
+        kept = [k for k in range(turn) if k >= turn - (window - 1)]
+        for k in range(turn):
+            assert (answers[k].split("</think>")[0] in text) == (k in kept), (window, turn, k)
+    # Rewards: each turn's on its own row's last sampled token (-0.1 per step in Sokoban).
+    assert batch.rewards.sum(-1).tolist() == pytest.approx([-0.1] * 6)
+
+
+def test_context_window_error():
+    with pytest.raises(ValueError, match=r"`rollout.context_window` must be an integer >= 1 or null, got 0"):
+        RolloutConfig(context_window=0)
