@@ -84,12 +84,17 @@ def _install_entry_name_resolver() -> None:
     bases = {registry._import_target(target): group for group, target in registry.GROUPS.items()}
 
     def resolve(cls, name):
-        if isinstance(name, str) and "." not in name:
-            for base in cls if isinstance(cls, tuple) else (cls,):
-                group = bases.get(base)
-                info = registry.load_plugins().get(group, {}).get(name) if group else None
+        groups = [bases[b] for b in (cls if isinstance(cls, tuple) else (cls,)) if b in bases]
+        if isinstance(name, str) and "." not in name and groups:
+            for group in groups:
+                info = registry.load_plugins()[group].get(name)
                 if info is not None:
                     return f"{info.cls.__module__}.{info.cls.__qualname__}"
+            resolved = original(cls, name)
+            if "." not in resolved:  # neither an entry name nor a known class name: list the valid ones
+                names = sorted(n for g in groups for n in registry.load_plugins()[g])
+                raise ValueError(f"'{name}' not found in {', '.join(groups)}. Available: {', '.join(names)}")
+            return resolved
         return original(cls, name)
 
     resolve._ragen_pl = True  # type: ignore[attr-defined]

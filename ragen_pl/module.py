@@ -246,7 +246,13 @@ class RagenModule(pl.LightningModule):
     def _load_policy(self):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"`model.model`: cannot load {self.model_name!r} (a hub id, a local folder saved with "
+                f"save_pretrained, or ragen-pl/tiny): {str(err).splitlines()[0]}"
+            ) from err
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         policy = self._load_causal_lm()

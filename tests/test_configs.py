@@ -122,3 +122,17 @@ def test_validate_and_test_from_a_checkpoint(tiny_model_path, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert "val/Bandit/success" in out and "test/Bandit/success" in out
     assert "test/BanditTraderLibrarian/success" in out  # every configured eval env
+
+
+def test_unloadable_model_is_one_line_naming_the_field(tmp_path, capsys):
+    code = main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), f"--model.model={tmp_path / 'nothing'}",
+                 *SHRINK])
+    err = capsys.readouterr().err
+    assert code == 2 and "`model.model`: cannot load" in err and "Traceback" not in err
+
+
+def test_unknown_component_name_lists_the_available_ones(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), "--data.env=nope", "--print_config"])
+    err = capsys.readouterr().err
+    assert "'nope' not found in ragen_pl.envs. Available: bandit, countdown, frozen_lake, sokoban" in err
