@@ -160,7 +160,6 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._last
 
     def play_training_rollout(self) -> RolloutBatch:
-        assert self.collector is not None, "setup() binds the engine first"
         rank, world = self.world
         local = self.n_groups // world
         first_group = self.iteration * self.n_groups + rank * local
@@ -250,7 +249,6 @@ class RolloutDataModule(pl.LightningDataModule):
     # -------------------------------------------------------------------------------------- evaluation
     def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
-        assert self.collector is not None, "setup() binds the engine first"
         rank, world = self.world
         seeds = range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in seeds]
@@ -276,7 +274,7 @@ class RolloutDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------------------------- checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"iteration": self.iteration, "steps_since_rollout": self._steps_since_rollout}
+        state: dict[str, Any] = {"iteration": self.iteration}
         if hasattr(self.engine, "state_dict"):
             state["engine"] = self.engine.state_dict()
         return state

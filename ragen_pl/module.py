@@ -285,7 +285,7 @@ class RagenModule(pl.LightningModule):
         from exactly the trained policy.
         """
         if self.lora is None:
-            return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+            return {k: _full(v) for k, v in self.policy.state_dict().items()}
         self.policy.merge_adapter()
         try:
             return {
@@ -570,7 +570,7 @@ def _last_true(mask: Tensor) -> Tensor:
 
 
 def _full(x: Tensor) -> Tensor:
-    """A DTensor's full value (FSDP2 gradient norms), else the tensor itself."""
+    """A DTensor's full value (FSDP2 gradient norms and weights), else the tensor itself."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 

@@ -204,6 +204,7 @@ class WindowChat:
         self.user = (0, first_user)
         self._rows: list[tuple[list[int], list[bool], list[int]]] = []
         self._prompt: list[int] | None = None
+        self._pending: tuple[int, str, str] | None = None  # the turn just answered, until the next user message
 
     def _render(self, history: list[tuple[int, str, str]], user: tuple[int, str]) -> list[int]:
         kept = history[len(history) - (self.window - 1):] if self.window > 1 else []
@@ -230,6 +231,7 @@ class WindowChat:
         self._pending = (self.user[0], self.user[1], answer)
 
     def extend_user(self, text: str, ended_with_eos: bool, max_prompt: int) -> bool:
+        assert self._pending is not None, "add_response comes before extend_user"
         history = [*self.history, self._pending]
         user = (self._pending[0] + 1, text)
         prompt = self._render(history, user)
@@ -317,7 +319,6 @@ class Collector:
         params = c.sampling_params(temperature)
         for turn in range(c.max_turns):
             live = [ep for ep in episodes if not ep.done]
-            t0 = time.perf_counter()
             t1 = time.perf_counter()
             prompts = [ep.chat.prompt_ids() for ep in live]  # type: ignore[union-attr]
             t0 = time.perf_counter()

@@ -30,8 +30,8 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop_sorted = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keeps at least the top token
+        probs = torch.softmax(sorted_logits, -1)
+        drop_sorted = probs.cumsum(-1) - probs >= params.top_p  # mass before a token; keeps at least the top one
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     logp = torch.log_softmax(logits, -1)
