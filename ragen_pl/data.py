@@ -184,6 +184,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
         """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode)."""
         assert self.collector is not None, "setup() binds the engine first"
+        module = self.trainer.lightning_module if getattr(self, "trainer", None) is not None else None
+        if getattr(self.engine, "shares_policy", False) and module is not None and self.engine.model is not module.policy:
+            # The strategy replaced the policy after `setup` (FSDP1 wraps it in `configure_model`): sample with the
+            # wrapped one, whose forward gathers the shards.
+            self.engine.bind(module.policy, module.tokenizer)
         self.engine.wake_up()
         try:
             return self.collector.collect(specs, temperature=temperature)

@@ -297,15 +297,37 @@ class RagenModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Shard with FSDP2 when the trainer runs ``ModelParallelStrategy`` (every decoder layer, then the root)."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        """Shard each model (policy, critic, reference, shared value head) as its own FSDP root.
 
-        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+        Under Lightning's ``FSDPStrategy`` (FSDP1) the LightningModule itself must not be the one FSDP root: a
+        StarPO iteration runs many backward passes (mini- and micro-batches, actor and critic) inside one
+        ``training_step``, and FSDP1 checks that every backward follows a forward of its root. Wrapped here, inside
+        the strategy's ``enable_wrap`` context (its sharding, mixed precision and ``auto_wrap_policy``), each backward
+        pairs with the forward of the model it differentiates, and Lightning leaves the module unwrapped. Under
+        ``ModelParallelStrategy`` (FSDP2) every decoder layer and then each model's root are ``fully_shard``-ed.
+        """
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = self.trainer.strategy
+        names = ("policy", "critic", "reference", "value_head")
+        if isinstance(strategy, FSDPStrategy):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            from torch.distributed.fsdp.wrap import wrap
+
+            for name in names:
+                model = getattr(self, name)
+                if model is not None and not isinstance(model, FullyShardedDataParallel):
+                    setattr(self, name, wrap(model))
+            # The auto-wrap policy was applied inside each root; Lightning would only warn that it is unused.
+            strategy.kwargs.pop("auto_wrap_policy", None)
+            return
+        if not isinstance(strategy, ModelParallelStrategy):
             return
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        for model in (self.policy, self.critic, self.reference):
+        for name in names:
+            model = getattr(self, name)
             if model is None:
                 continue
             for module in model.modules():
@@ -465,6 +487,11 @@ class RagenModule(pl.LightningModule):
         rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
         if self.device.type == "cuda":
             metrics["gpu/peak_memory_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
+        # Every token of every row goes through forward and backward in each PPO epoch (prompts included).
+        seq_tokens = float(batch.attention_mask[batch.loss_mask.any(-1)].sum())
+        metrics["throughput/update_tokens"] = torch.tensor(seq_tokens * self.ppo.ppo_epochs)
+        if t2 > t1:
+            metrics["throughput/update_tokens_per_s"] = torch.tensor(seq_tokens * self.ppo.ppo_epochs / (t2 - t1))
         if rollout_time > 0:
             metrics["throughput/rollout_tokens_per_s"] = torch.tensor(tokens / rollout_time)
             metrics["throughput/trajectories_per_s"] = torch.tensor(len(rollout.result.episodes) / rollout_time)
@@ -481,6 +508,25 @@ class RagenModule(pl.LightningModule):
         scheds = self.lr_schedulers()
         for sched in scheds if isinstance(scheds, list) else [scheds]:
             sched.step()
+
+    def _clip_grad_norm(self, models: list[nn.Module | None], params: list[Tensor]) -> Tensor:
+        """Clip the gradients of ``params`` to ``ppo.grad_clip`` by their global norm; return that norm.
+
+        FSDP1 roots hold sharded gradients whose local norm is not the global one, so each root computes its own
+        (an all-reduce) and the norms combine; FSDP2 gradients are DTensors, whose norm torch already makes global.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        roots = [m for m in models if isinstance(m, FullyShardedDataParallel)]
+        if not roots:
+            return _full(torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip))
+        norms = torch.stack([m.clip_grad_norm_(float("inf")).float() for m in roots])
+        total = norms.norm()
+        coef = (self.ppo.grad_clip / (total + 1e-6)).clamp(max=1.0)
+        for q in params:
+            if q.grad is not None:
+                q.grad.mul_(coef.to(q.grad.device, q.grad.dtype))
+        return total
 
     def update(self, batch: TrajectoryBatch) -> dict[str, Tensor]:
         p = self.ppo
@@ -505,10 +551,9 @@ class RagenModule(pl.LightningModule):
                     self.manual_backward(total)
                     for k, v in m.items():
                         sums.setdefault(k, []).append(v)
-                norms = [torch.nn.utils.clip_grad_norm_(actor_params, p.grad_clip)]
+                norms = [self._clip_grad_norm([self.policy, self.value_head], actor_params)]
                 if critic_params:
-                    norms.append(torch.nn.utils.clip_grad_norm_(critic_params, p.grad_clip))
-                norms = [_full(x) for x in norms]
+                    norms.append(self._clip_grad_norm([self.critic], critic_params))
                 sums.setdefault("actor/grad_norm", []).append(norms[0])
                 if critic_params:
                     sums.setdefault("critic/grad_norm", []).append(norms[1])

@@ -46,6 +46,9 @@ class HFEngine(RolloutEngine):
     ``setup``, so the config never names the model twice).
     """
 
+    shares_policy = True
+    """Samples with the trained policy's own modules (no weight sync; re-bound if the strategy wraps the policy)."""
+
     def __init__(self, seed: int = 0, sync_ranks: bool | None = None) -> None:
         """
         Args:
@@ -58,19 +61,38 @@ class HFEngine(RolloutEngine):
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.generator: torch.Generator | None = None
+        """The sampling generator, made on the model's device at the first ``generate`` (see ``_generator``)."""
+        self._pending_state: dict | None = None
 
     def bind(self, model: nn.Module, tokenizer) -> None:
+        # No generator yet: Lightning binds the engine in `setup`, before it moves the model to its device.
         self.model, self.tokenizer = model, tokenizer
-        device = next(model.parameters()).device
-        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator on ``device`` (torch.multinomial needs one on the device of its input).
+
+        It is made on first use, where the model then lives, and re-made if the model moved. A state loaded from
+        a checkpoint is applied when it was saved from a generator of the same device type.
+        """
+        g = self.generator
+        if g is None or g.device != device:
+            g = self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            pending, self._pending_state = self._pending_state, None
+            if pending is not None and pending["device_type"] == device.type:
+                g.set_state(pending["state"])
+        return g
 
     # ---- checkpointing of the sampling RNG
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state() if self.generator is not None else None}
+        if self.generator is None:
+            return {"generator": self._pending_state}
+        return {"generator": {"device_type": self.generator.device.type, "state": self.generator.get_state()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("generator") is not None and self.generator is not None:
-            self.generator.set_state(state["generator"])
+        saved = state.get("generator")
+        if saved is not None and not isinstance(saved, dict):  # checkpoints of ragen-pl 0.1: a CPU state tensor
+            saved = {"device_type": "cpu", "state": saved}
+        self._pending_state, self.generator = saved, None
 
     def _sync(self) -> bool:
         return self.sync_ranks if self.sync_ranks is not None else (dist.is_available() and dist.is_initialized())
@@ -101,6 +123,7 @@ class HFEngine(RolloutEngine):
         from transformers import DynamicCache
 
         n = len(prompts)
+        generator = self._generator(device)
         if sync and not self._any_rank(n > 0, device):
             return []
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -128,7 +151,7 @@ class HFEngine(RolloutEngine):
             self._dummy_forward(model, device)
         for step in range(params.max_new_tokens):
             if rows:
-                ids, lps = sample_next(logits, params, self.generator)
+                ids, lps = sample_next(logits, params, generator)
                 ids_l, lps_l = ids.tolist(), lps.tolist()
                 keep = []
                 for j, i in enumerate(rows):

@@ -71,3 +71,33 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match=r"`top_k` must be -1 \(off\) or >= 1, got 0"):
         SamplingParams(top_k=0)
+
+
+def test_generator_is_made_on_the_model_device_at_first_use(tiny):
+    """Lightning binds the engine before it moves the model: the generator must follow the model (issue 10)."""
+    model, tok = tiny
+    engine = HFEngine(seed=5)
+    engine.bind(model, tok)
+    assert engine.generator is None  # nothing made at bind time, on whatever device the model had then
+    engine.generate([tok("x")["input_ids"]], SamplingParams(max_new_tokens=2, stop=[]))
+    assert engine.generator is not None and engine.generator.device == next(model.parameters()).device
+
+
+def test_sampling_state_resumes_exactly_even_before_the_first_generate(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, stop=[])
+    prompts = [tok("Turn 1:")["input_ids"]] * 3
+    a = HFEngine(seed=11)
+    a.bind(model, tok)
+    a.generate(prompts, params)
+    state = a.state_dict()
+    expected = [g.token_ids for g in a.generate(prompts, params)]
+    b = HFEngine(seed=999)  # another seed: only the loaded state can make it sample the same
+    b.load_state_dict(state)
+    b.bind(model, tok)
+    assert b.state_dict()["generator"]["device_type"] == "cpu"  # a pending state is checkpointed as it is
+    assert [g.token_ids for g in b.generate(prompts, params)] == expected
+    legacy = HFEngine(seed=999)  # checkpoints written before the generator became lazy: a bare CPU state
+    legacy.load_state_dict({"generator": state["generator"]["state"]})
+    legacy.bind(model, tok)
+    assert [g.token_ids for g in legacy.generate(prompts, params)] == expected

@@ -1,0 +1,221 @@
+"""The GPU path end to end, in one table: rollout tokens/s per engine, and training under each strategy.
+
+Needs: a CUDA GPU, torch, lightning, transformers and ragen-pl (vLLM optional: timed when importable). No model hub:
+the model has the Qwen2.5-0.5B shape with random weights, built locally with the tiny model's tokenizer.
+
+1. Engines: ``--prompts`` prompts x ``--new-tokens`` sampled tokens (eos ignored, so every row has the same length)
+   with the ``hf`` engine, a bare ``model.generate`` on the same left-padded batch, and vLLM where installed.
+2. Training: ``ragen-pl fit`` on Sokoban (bf16 mixed precision, float32 master weights, PPO with a separate critic)
+   for ``--steps`` iterations under one GPU without sharding, Lightning's FSDPStrategy (FSDP1) and
+   ModelParallelStrategy (FSDP2). Per strategy: iteration time (median over iterations after the first), the
+   generation share, rollout tokens/s, update tokens/s, MFU (6 x trained parameters x update tokens/s over the GPU's
+   dense bf16 peak) and peak memory.
+
+    python benchmarks/gpu_check.py [--steps 3] [--work /tmp/ragen-pl-gpu-check] [--shape qwen2.5-0.5b|tiny]
+
+``--shape tiny`` runs the same plumbing with a tiny model on the CPU (a smoke test of this script). It writes models
+and runs under ``--work`` only; it finishes in a few minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1),
+}
+# Dense bf16 tensor-core peaks (FLOP/s) of the GPUs this targets; others fall back to the H100's figure.
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def build_model(work: Path, shape: str) -> Path:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from ragen_pl.tiny import build_tiny_model
+
+    out = work / f"model-{shape}"
+    if (out / "config.json").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(build_tiny_model())
+    dims = dict(SHAPES[shape])
+    dims.setdefault("vocab_size", len(tok))
+    cfg = Qwen2Config(**dims, max_position_embeddings=32768, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)  # float32 master weights; training runs in bf16 mixed precision
+    tok.save_pretrained(out)
+    return out
+
+
+def engine_rates(path: Path, device: str, n_prompts: int, new_tokens: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl.rollout.engine import SamplingParams
+    from ragen_pl.rollout.hf import HFEngine
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, len(tok) - 10, (int(n),), generator=g).tolist()
+               for n in torch.randint(80, 160, (n_prompts,), generator=g)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop=[], ignore_eos=True)
+    width = max(map(len, prompts))
+    ids = torch.full((n_prompts, width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+    ids, attn = ids.to(device), attn.to(device)
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
+
+    def timed(fn) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return tokens / (time.perf_counter() - start)
+
+    def hf() -> int:
+        return sum(len(x.token_ids) for x in engine.generate(prompts, params))
+
+    def bare() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0,
+                                 top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=tok.pad_token_id)
+        return (out.shape[1] - width) * n_prompts
+
+    rates: dict[str, list[float]] = {"hf engine": [], "model.generate": []}
+    hf(), bare()  # warm-up (allocator, kernels)
+    for _ in range(2):
+        rates["hf engine"].append(timed(hf))
+        rates["model.generate"].append(timed(bare))
+    result = {k: statistics.median(v) for k, v in rates.items()}
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        result["vllm"] = float("nan")
+    else:
+        from ragen_pl.rollout.vllm import VLLMEngine
+
+        del model
+        torch.cuda.empty_cache()
+        v = VLLMEngine(gpu_memory_utilization=0.4)
+        v.bind(AutoModelForCausalLM.from_pretrained(path), tok)
+        v.generate(prompts, params)
+        result["vllm"] = timed(lambda: sum(len(x.token_ids) for x in v.generate(prompts, params)))
+    return result
+
+
+STRATEGY_ARGS = {
+    "1 GPU": ["--trainer.precision=bf16-mixed"],
+    "FSDP1": ["--config", str(ROOT / "configs" / "variants" / "fsdp.yaml")],
+    "FSDP2": ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml"), "--trainer.precision=bf16-mixed",
+              "--trainer.strategy.init_args.data_parallel_size=1"],
+}
+
+
+def fit(path: Path, work: Path, name: str, steps: int, device: str, n_params: int, peak: float) -> dict[str, float]:
+    save_dir = work / "runs" / name.replace(" ", "_")
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml"),
+            *STRATEGY_ARGS[name], f"--model.model={path}", f"--trainer.max_steps={steps}",
+            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+            f"--trainer.logger.init_args.save_dir={save_dir}", "--data.n_groups=4", "--data.group_size=8",
+            "--data.rollout.max_turns=3", "--data.rollout.max_new_tokens=64"]
+    if device == "cpu":  # the smoke test: one CPU process, full precision
+        args = [a for a in args if "precision" not in a]
+        args += ["--trainer.accelerator=cpu", "--data.n_groups=2", "--data.group_size=2"]
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        print(f"--- {name} failed (exit {proc.returncode}):\n{tail}", flush=True)
+        return {"wall": wall, "failed": 1.0}
+    files = sorted(save_dir.glob("*/version_*/metrics.csv"))
+    rows = [r for r in csv.DictReader(open(files[-1])) if r.get("time/update")]
+    steady = rows[1:] or rows  # the first iteration includes CUDA warm-up
+
+    def med(key: str) -> float:
+        values = [float(r[key]) for r in steady if r.get(key)]
+        return statistics.median(values) if values else float("nan")
+
+    gen = med("time/rollout_generate")
+    iteration = gen + med("time/rollout_env") + med("time/rollout_tokenize") + med("time/prepare") + med("time/update")
+    update_rate = med("throughput/update_tokens_per_s")
+    return {"wall": wall, "iteration": iteration, "generate": gen, "rollout_tps": med("throughput/rollout_tokens_per_s"),
+            "update_tps": update_rate, "mfu": 6 * n_params * update_rate / peak,
+            "peak_gib": max((float(r["gpu/peak_memory_gib"]) for r in rows if r.get("gpu/peak_memory_gib")), default=0.0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--work", default=os.environ.get("GPU_CHECK_WORK", "/tmp/ragen-pl-gpu-check"))
+    parser.add_argument("--shape", choices=list(SHAPES), default=os.environ.get("GPU_CHECK_SHAPE", "qwen2.5-0.5b"))
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_ARGS), choices=list(STRATEGY_ARGS))
+    args = parser.parse_args()
+    os.environ.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and args.shape != "tiny":
+        raise SystemExit("error: no CUDA device; use --shape tiny for a CPU smoke test of this script")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    path = build_model(work, args.shape)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = next((v for k, v in PEAKS.items() if k in name), PEAKS["H100"])
+    import lightning
+    import transformers
+
+    print(f"device: {name}; torch {torch.__version__}, lightning {lightning.__version__}, transformers "
+          f"{transformers.__version__}; model {args.shape} ({n_params / 1e6:.0f}M parameters, random weights)")
+    rates = engine_rates(path, device, args.prompts if device == "cuda" else 8, args.new_tokens if device == "cuda" else 8)
+    print(f"\nrollout engines, {args.prompts} prompts x {args.new_tokens} new tokens, bf16:")
+    for k, v in rates.items():
+        print(f"  {k:<16}{v:>10.0f} tokens/s" if v == v else f"  {k:<16}{'n/a':>10} (not installed)")
+    print(f"  hf / generate   {rates['hf engine'] / rates['model.generate']:>10.2f}", flush=True)
+    strategies = args.strategies if device == "cuda" else ["1 GPU"]  # Lightning's FSDP1 refuses the CPU
+    results = {s: fit(path, work, s, args.steps, device, 2 * n_params, peak) for s in strategies}
+    print(f"\ntraining, Sokoban, 32 trajectories x 3 turns x 64 tokens, PPO with a separate critic, {args.steps} "
+          f"iterations (medians after the first):")
+    head = f"  {'strategy':<8}{'iteration s':>12}{'generate s':>11}{'rollout tok/s':>14}{'update tok/s':>13}{'MFU':>7}{'peak GiB':>9}"
+    print(head)
+    for s, r in results.items():
+        if r.get("failed"):
+            print(f"  {s:<8}{'failed':>12}")
+            continue
+        print(f"  {s:<8}{r['iteration']:>12.2f}{r['generate']:>11.2f}{r['rollout_tps']:>14.0f}{r['update_tps']:>13.0f}"
+              f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>9.2f}")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if any(r.get("failed") for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
