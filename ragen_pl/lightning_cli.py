@@ -28,17 +28,20 @@ class RagenCLI(LightningCLI):
                             help="torch threads per process (0 leaves torch's default)")
 
     def instantiate_trainer(self, **kwargs):
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
         from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 
         from ragen_pl.callbacks import default_callbacks
+        from ragen_pl.checkpoint import AtomicCheckpointIO, RunCheckpoint
 
         trainer = super().instantiate_trainer(**kwargs)
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and type(ckpt) is ModelCheckpoint and ckpt.monitor is None and not ckpt._every_n_train_steps:
             # Lightning's default saves at epoch ends, which a rollout stream never reaches: save every few
-            # iterations instead, and keep `last.ckpt` for resuming after a crash.
-            ckpt._every_n_train_steps = 5
-            ckpt.save_last = True
+            # iterations and at the end instead, and keep `last.ckpt` for resuming after a crash.
+            trainer.callbacks[trainer.callbacks.index(ckpt)] = RunCheckpoint(dirpath=ckpt.dirpath)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()  # same-folder temp file, fsync, rename
         have = {type(cb) for cb in trainer.callbacks}
         for cb in default_callbacks():
             if type(cb) in have:
