@@ -92,8 +92,11 @@ def _install_entry_name_resolver() -> None:
                     return f"{info.cls.__module__}.{info.cls.__qualname__}"
             resolved = original(cls, name)
             if "." not in resolved:  # neither an entry name nor a known class name: list the valid ones
+                from ragen_pl.lightning_cli import did_you_mean
+
                 names = sorted(n for g in groups for n in registry.load_plugins()[g])
-                raise ValueError(f"'{name}' not found in {', '.join(groups)}. Available: {', '.join(names)}")
+                raise ValueError(f"'{name}' not found in {', '.join(groups)}. Available: {', '.join(names)}."
+                                 f"{did_you_mean(name, names)}")
             return resolved
         return original(cls, name)
 

@@ -88,7 +88,7 @@ def _load_one(ep: EntryPoint, base: type) -> PluginInfo:
     way_out = f"Fix or uninstall that package, or set {DISABLE_ENV}=1 to skip third-party plugins."
     try:
         obj = ep.load()
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a plugin calling sys.exit() at import must not end ragen-pl silently
         raise PluginLoadError(f"{where} failed to import: {type(err).__name__}: {err}.\n{way_out}") from err
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise PluginLoadError(
@@ -114,8 +114,10 @@ def load_plugins(*, reload: bool = False) -> dict[str, dict[str, PluginInfo]]:
     for group, base_target in GROUPS.items():
         base = _import_target(base_target)
         found[group] = {}
-        # Sorted so that duplicate detection and `ragen-pl plugins` are deterministic.
-        eps = sorted(entry_points(group=group), key=lambda e: (e.name, e.value, _dist_of(e)[0]))
+        # Sorted so that duplicate detection and `ragen-pl plugins` are deterministic; ragen-pl's own entries come
+        # first, so a third-party duplicate is the one blamed, whatever its name sorts as.
+        eps = sorted(entry_points(group=group),
+                     key=lambda e: (e.name, _normalise(_dist_of(e)[0]) != _OWN_DIST, e.value, _dist_of(e)[0]))
         seen_values: set[tuple[str, str]] = set()
         for ep in eps:
             dist, version = _dist_of(ep)

@@ -38,3 +38,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _tree_state() -> set[str]:
+    """``git status`` lines of the checkout (empty outside a git checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root, capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return set(out.stdout.splitlines()) if out.returncode == 0 else set()
+
+
+def pytest_sessionstart(session):
+    session.config._ragen_tree = _tree_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests and the runs they start never write into the repository (only under tmp folders or `runs/`)."""
+    before = getattr(session.config, "_ragen_tree", None)
+    if before is None or getattr(session.config, "workerinput", None) is not None:
+        return
+    new = sorted(_tree_state() - before)
+    if new:
+        print("\nThe test session wrote into the repository (tests must write under a tmp folder):\n  "
+              + "\n  ".join(new))
+        session.exitstatus = 1

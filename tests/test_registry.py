@@ -163,3 +163,28 @@ def test_example_plugin_installs_and_is_usable(tmp_path, monkeypatch):
                    for line in out.splitlines())
     finally:
         registry._cache = None
+
+
+class ExitingEntryPoint(FakeEntryPoint):
+    def load(self):
+        raise SystemExit(0)
+
+
+def test_plugin_calling_sys_exit_is_a_load_error(fake_eps):
+    """A plugin that calls sys.exit(0) at import must not end `ragen-pl plugins` or `fit` silently with 0."""
+    fake_eps["ragen_pl.envs"] = [ExitingEntryPoint("quitter", "quitter.mod:Env", "ragen_pl.envs", dist="quitter")]
+    with pytest.raises(registry.PluginLoadError, match=r"'quitter'.*from quitter 0\.0\.1\) failed to import: SystemExit"):
+        registry.load_plugins()
+    from ragen_pl.cli import main
+
+    assert main(["plugins"]) == 2
+
+
+def test_duplicate_blames_the_third_party_even_when_it_sorts_first(fake_eps):
+    # Its value sorts before ragen-pl's own ("...:BiLevelGAE" < "...:GAE"), so it used to be loaded first.
+    fake_eps["ragen_pl.advantages"] = [FakeEntryPoint("gae", "ragen_pl.advantages:BiLevelGAE", "ragen_pl.advantages",
+                                                      dist="aaa-plugin")]
+    with pytest.raises(registry.PluginLoadError,
+                       match=r"'gae' in group 'ragen_pl.advantages' \(ragen_pl.advantages:BiLevelGAE, from aaa-plugin "
+                             r"0\.0\.1\) repeats a name already taken by ragen_pl.advantages:GAE from ragen-pl"):
+        registry.load_plugins()

@@ -7,13 +7,10 @@ tag, so the sampled text continues after it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
 
-_THINK_ANSWER = re.compile(r"^\s*(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
-_ANSWER = re.compile(r"^\s*(.*?)</answer>", re.DOTALL)
 #: Completions longer than this are not parsed (a format failure), which bounds the regex work on hostile text.
 MAX_COMPLETION_CHARS = 2_000_000
 
@@ -35,18 +32,21 @@ def parse_answer(completion: str, think: bool = True, max_actions: int = 5) -> P
     """
     if len(completion) > MAX_COMPLETION_CHARS:
         return ParsedAnswer()
+    # str.find, not a regex: `^\s*(.*?)</think>` backtracks quadratically on long whitespace (issue 14).
     if think:
-        m = _THINK_ANSWER.match(completion)
-        if not m:
+        close = completion.find("</think>")
+        if close < 0:
             return ParsedAnswer()
-        thought, answer = m.group(1).strip(), m.group(2)
-        if "<think>" in thought or "<answer>" in thought:
+        thought, rest = completion[:close].strip(), completion[close + len("</think>"):].lstrip()
+        if not rest.startswith("<answer>") or "<think>" in thought or "<answer>" in thought:
             return ParsedAnswer()
+        rest = rest[len("<answer>"):]
     else:
-        m = _ANSWER.match(completion)
-        if not m:
-            return ParsedAnswer()
-        thought, answer = "", m.group(1)
+        thought, rest = "", completion
+    end = rest.find("</answer>")
+    if end < 0:
+        return ParsedAnswer()
+    answer = rest[:end]
     if any(tag in answer for tag in ("<answer>", "<think>", "</think>")):
         return ParsedAnswer(think=thought)
     actions = [a.strip() for a in answer.split("||", max_actions)[:max_actions]]

@@ -56,3 +56,12 @@ def test_any_text_parses_or_fails_cleanly(text, think):
     assert len(parsed.actions) <= 3
     assert parsed.format_ok == bool(parsed.actions)
     assert all(a and a == a.strip() and "<answer>" not in a for a in parsed.actions)
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_parse_answer_is_linear_in_its_input(think):
+    """1 MB of whitespace (and of text with no closing tag) parses in well under 50 ms (issue 14: it was quadratic)."""
+    for text in (" " * 1_000_000, " " * 500_000 + "x" * 500_000, "<answer>" + " " * 1_000_000):
+        start = time.perf_counter()
+        assert not parse_answer(text, think=think).format_ok
+        assert time.perf_counter() - start < 0.05

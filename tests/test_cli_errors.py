@@ -1,0 +1,54 @@
+"""Bad input on the command line gets at most three lines naming the flag and the value, never the whole usage
+(issue 14): unknown and abbreviated flags, unknown component names, wrong types, missing and invalid config files."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ragen_pl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["fit", "--config", str(ROOT / "configs" / "quickstart.yaml")]
+
+
+def _error(capsys, argv) -> list[str]:
+    with pytest.raises(SystemExit) as info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert 1 <= len(lines) <= 3, lines
+    return lines
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--no_such_flag", r"^error: unrecognized argument '--no_such_flag'\.$"),
+    ("--trainer.max_step=5", r"^error: unrecognized argument '--trainer.max_step=5'\. Did you mean '--trainer.max_steps'\?$"),
+    ("--model.advantage=grpoo", r"^error: --model.advantage: 'grpoo' not found in ragen_pl.advantages\. Available: "
+                                r"bilevel_gae, gae, grpo, reinforce_pp, rloo\. Did you mean 'grpo'\?$"),
+    ("--data.filter=variance_topp", r"^error: --data.filter: 'variance_topp' not found .* Did you mean 'variance_top_p'\?$"),
+    ("--model.ppo.clip_low=abc", r"^error: --model.ppo.clip_low: Expected a float\. Got value: abc$"),
+    ("--data.n_groups=x", r"^error: --data.n_groups: Expected a int\. Got value: x$"),
+])
+def test_bad_flags_are_short_and_named(capsys, flag, expected):
+    lines = _error(capsys, [*QUICK, flag, "--print_config"])
+    assert re.match(expected, lines[0]), lines
+    assert lines[-1] == "Full usage: ragen-pl fit --help"
+
+
+def test_abbreviated_flags_are_refused(capsys):
+    lines = _error(capsys, [*QUICK, "--trainer.max_st=5", "--print_config"])
+    assert "unrecognized argument '--trainer.max_st=5'" in lines[0]
+
+
+def test_missing_config_file(capsys, tmp_path):
+    lines = _error(capsys, ["fit", "--config", str(tmp_path / "nope.yaml")])
+    assert lines == [f"error: --config: no such file: {tmp_path / 'nope.yaml'}"]
+
+
+def test_yaml_error_names_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  model: ragen-pl/tiny\n  ppo: {clip_low: 0.2\ndata: {}\n")
+    lines = _error(capsys, ["fit", "--config", str(bad)])
+    assert lines[0].startswith(f"error: --config {bad}: invalid YAML at line 4, column 5: "), lines
