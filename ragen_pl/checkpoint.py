@@ -23,8 +23,10 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from ragen_pl.errors import ConfigError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
@@ -102,7 +104,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, ...: the file is unusable whatever the cause
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated or corrupt): "
                               f"{type(err).__name__}{': ' + first if first else ''}") from err
 
@@ -154,5 +156,35 @@ def find_last(root: str | os.PathLike) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "RunCheckpoint", "find_last", "load_checkpoint", "save_atomic",
+def _plain(value: Any) -> Any:
+    """JSON-comparable form: tuples become lists, everything else not JSON becomes its string."""
+    import json
+
+    return json.loads(json.dumps(value, default=str))
+
+
+def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str = "model") -> list[str]:
+    """``--flag: checkpoint X, given Y`` for each model setting in both that differs (nested settings by path)."""
+    out = []
+    for key, old in saved.items():
+        if key not in given or key.startswith("_"):
+            continue
+        new, flag = given[key], f"{prefix}.{key}"
+        if key == "advantage":  # saved as the class path; the config has {class_path, init_args}
+            new = new.get("class_path") if isinstance(new, dict) else new
+        if isinstance(old, dict) and isinstance(new, dict):
+            if key == "advantage_args":
+                continue
+            out += model_differences(old, new, flag)
+        elif _plain(old) != _plain(new):
+            out.append(f"--{flag}: checkpoint {old!r}, given {new!r}")
+    adv_old, adv_new = saved.get("advantage_args"), given.get("advantage")
+    if isinstance(adv_old, dict) and isinstance(adv_new, dict):
+        args = adv_new.get("init_args") or {}
+        out += [f"--{prefix}.advantage.init_args.{k}: checkpoint {v!r}, given {args[k]!r}"
+                for k, v in adv_old.items() if k in args and _plain(v) != _plain(args[k])]
+    return out
+
+
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "RunCheckpoint", "find_last", "load_checkpoint", "model_differences", "save_atomic",
            "verify"]

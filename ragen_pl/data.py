@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from ragen_pl.envs.base import Env
+from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
 from ragen_pl.metrics import rollout_metrics
 from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig, RolloutResult
@@ -138,12 +139,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         rank, world = self.world
         if self.n_groups % world:
-            raise ValueError(f"`data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
+            raise ConfigError(f"`data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
                              f"({world})")
         module = self.trainer.lightning_module
         advantage = getattr(module, "advantage", None)
         if getattr(advantage, "needs_groups", False) and self.group_size < 2:
-            raise ValueError(f"`data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
+            raise ConfigError(f"`data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
         bind = getattr(self.engine, "bind", None)
         if bind is not None:
             bind(module.policy, module.tokenizer)
@@ -172,8 +173,8 @@ class RolloutDataModule(pl.LightningDataModule):
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
         batch = result.batch
         if batch is None:
-            raise RuntimeError(f"every trajectory of iteration {self.iteration - 1} failed: "
-                               f"{result.episodes[0].failed}")
+            raise RolloutError(f"every trajectory of training iteration {self.iteration - 1} failed; "
+                               f"{_failures(result)}")
         t0 = time.perf_counter()
         keep, filter_metrics = self._filter(batch)
         metrics.update(filter_metrics)
@@ -258,6 +259,8 @@ class RolloutDataModule(pl.LightningDataModule):
         seeds = range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in seeds]
         result = self._collect(specs, temperature=self.val_temperature)
+        if result.episodes and all(ep.failed is not None for ep in result.episodes):
+            raise RolloutError(f"every {prefix} episode of env {env.tag!r} failed; {_failures(result)}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
                        f"{len(specs)} episodes")
@@ -293,3 +296,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._last = None
         self._steps_since_rollout = 0
 
+
+def _failures(result: RolloutResult, shown: int = 3) -> str:
+    """The distinct reasons episodes failed, most common first (each names the env's own error)."""
+    from collections import Counter
+
+    counts = Counter(f"{ep.env.tag}: {ep.failed}" for ep in result.episodes if ep.failed is not None)
+    reasons = "; ".join(f"{reason} (x{n})" for reason, n in counts.most_common(shown))
+    return f"the envs said: {reasons}" if reasons else "no episode was played"

@@ -15,7 +15,11 @@ from jsonargparse import ActionConfigFile, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from ragen_pl.data import RolloutDataModule
-from ragen_pl.module import RagenModule
+from ragen_pl.errors import ConfigError, RolloutError
+from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
+from ragen_pl.registry import PluginLoadError
+from ragen_pl.rewards import RewardNorm
+from ragen_pl.runs import claim_version, lock_run_folder, write_run_info
 
 TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,  # evaluation rollouts are expensive; the first validation runs at val_check_interval
@@ -134,6 +138,12 @@ class RagenCLI(LightningCLI):
             trainer.callbacks[trainer.callbacks.index(ckpt)] = RunCheckpoint(dirpath=ckpt.dirpath)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()  # same-folder temp file, fsync, rename
+        if _launching_rank():
+            for logger in trainer.loggers:  # one run per version folder, even for two fits started together
+                if hasattr(logger, "_version") and hasattr(logger, "root_dir"):
+                    if logger._version is None:
+                        logger._version = claim_version(logger.root_dir)
+                    lock_run_folder(logger.log_dir)
         have = {type(cb) for cb in trainer.callbacks}
         for cb in default_callbacks():
             if type(cb) in have:
@@ -145,6 +155,65 @@ class RagenCLI(LightningCLI):
                 trainer.callbacks.remove(bar)  # Lightning's default counts epochs; the rollout stream has none
             trainer.callbacks.append(cb)
         return trainer
+
+    def instantiate_classes(self) -> None:
+        """Config mistakes found while building the components become one-line :class:`ConfigError`s.
+
+        Only here: an error raised later, inside training, is a bug and keeps its traceback.
+        """
+        try:
+            super().instantiate_classes()
+        except (ConfigError, PluginLoadError):
+            raise
+        except (ValueError, TypeError, ImportError) as err:
+            raise ConfigError(str(err)) from err
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve ``--ckpt_path`` (``last`` too), check the file, and refuse model settings that differ from it.
+
+        Lightning's own version loads the checkpoint's hyperparameters *over* the command line, so a flag given on
+        resume (``--model.advantage=grpo``) was silently dropped. Here the run keeps the checkpoint's model settings,
+        and a config that differs from them is refused, naming each flag (start a new run to change them). Trainer
+        and data settings (``max_steps``, envs, ...) apply as given.
+        """
+        from ragen_pl.checkpoint import CheckpointError, find_last, load_checkpoint, model_differences
+
+        sub = self.config.get("subcommand")
+        cfg = self.config.get(sub) if sub else None
+        given = cfg.get("ckpt_path") if cfg is not None else None
+        if not given:
+            return
+        if given in ("last", "best", "hpc", "registry") or given.startswith("registry:"):
+            if given != "last":
+                raise CheckpointError(f"--ckpt_path={given}: ragen-pl resumes from a file, a folder, or 'last'")
+            root = _run_root(cfg)
+            found = find_last(root)
+            if found is None:
+                raise CheckpointError(f"--ckpt_path=last: no last.ckpt under {root} (the run folder of this config); "
+                                      f"give the checkpoint's path")
+            cfg["ckpt_path"] = given = str(found)
+        path = Path(given)
+        if path.is_dir():
+            return  # a sharded checkpoint: its shards are checked as they load
+        checkpoint = load_checkpoint(path)
+        saved = checkpoint.get("hyper_parameters") or {}
+        model = cfg.get("model")
+        as_dict = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
+        # Settings left out of the config are the module's defaults, which the checkpoint recorded in full.
+        for key, default in _MODEL_DEFAULTS.items():
+            if as_dict.get(key) is None:
+                as_dict[key] = default()
+        diffs = model_differences(saved, as_dict)
+        if diffs:
+            shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+            raise CheckpointError(f"--ckpt_path {path} keeps the model settings it was trained with, but the config "
+                                  f"differs: {shown}. Drop those flags to resume, or start a new run to change them")
+
+    def before_fit(self) -> None:
+        """A resumed run records the checkpoint it continues, so `ragen-pl report` can show the whole run."""
+        ckpt = self.config[self.subcommand].get("ckpt_path")
+        if ckpt and self.trainer.is_global_zero and self.trainer.log_dir:
+            write_run_info(self.trainer.log_dir, str(Path(ckpt).resolve()))
 
     def before_instantiate_classes(self) -> None:
         threads = self.config.get(self.subcommand, self.config).get("torch_threads", 0) if self.subcommand else 0
@@ -180,10 +249,49 @@ def run_lightning_cli(argv: list[str]) -> int:
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )
-    except (ValueError, TypeError, ImportError) as err:
-        # Config mistakes found while building the components: one line naming the field, not a traceback.
+    except (ConfigError, PluginLoadError, RolloutError) as err:
+        # The user's setup, not a bug: one line naming the field, file or env, not a traceback.
         if os.environ.get("RAGEN_PL_TRACEBACK"):
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _launching_rank() -> bool:
+    """Whether this process is global rank 0 (or the process that will launch the others)."""
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    return (_get_rank() or 0) == 0
+
+
+def _default_advantage() -> str:
+    from ragen_pl.advantages import GAE
+
+    return f"{GAE.__module__}.{GAE.__qualname__}"
+
+
+def _dataclass_defaults(cls):
+    from dataclasses import asdict
+
+    return lambda: asdict(cls())
+
+
+_MODEL_DEFAULTS = {
+    "ppo": _dataclass_defaults(PPOConfig),
+    "optim": _dataclass_defaults(OptimConfig),
+    "reward_norm": _dataclass_defaults(RewardNorm),
+    "advantage": _default_advantage,
+}
+
+
+def _run_root(cfg) -> Path:
+    """The folder this config's runs are written to: the logger's ``save_dir/name``, else ``default_root_dir``."""
+    trainer = cfg.get("trainer")
+    logger = trainer.get("logger") if trainer is not None else None
+    if isinstance(logger, list):
+        logger = logger[0] if logger else None
+    args = logger.get("init_args") if logger is not None and hasattr(logger, "get") else None
+    if args is not None and args.get("save_dir"):
+        return Path(args.get("save_dir")) / (args.get("name") or "")
+    return Path((trainer.get("default_root_dir") if trainer is not None else None) or "runs")

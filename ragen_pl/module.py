@@ -216,7 +216,8 @@ class RagenModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["advantage", "ppo", "optim", "reward_norm", "lora"])
         self.hparams.update(ppo=asdict(self.ppo), optim=asdict(self.optim), reward_norm=asdict(self.reward_norm),
                             lora=asdict(lora) if lora is not None else None,
-                            advantage=f"{type(self.advantage).__module__}.{type(self.advantage).__qualname__}")
+                            advantage=f"{type(self.advantage).__module__}.{type(self.advantage).__qualname__}",
+                            advantage_args=_init_args(self.advantage))
         self.tokenizer, self.policy = self._load_policy()
         self.uses_critic = type(self.advantage).needs_critic
         self.critic: nn.Module | None = None
@@ -595,10 +596,20 @@ class RagenModule(pl.LightningModule):
         self.skipped_steps = state.get("skipped_steps", 0)
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+def _init_args(obj: object) -> dict[str, Any]:
+    """The plain-valued constructor arguments an object keeps as attributes (for the checkpoint's hparams)."""
+    import inspect
+
+    names = [n for n in inspect.signature(type(obj).__init__).parameters if n != "self"]
+    return {n: getattr(obj, n) for n in names
+            if hasattr(obj, n) and isinstance(getattr(obj, n), (bool, int, float, str, type(None)))}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, var_floor: float = 1e-8) -> Tensor:
     """``1 - Var(returns - values) / Var(returns)`` over the sampled tokens: 1 is a perfect critic, <= 0 useless."""
     v, r = values[mask].double(), returns[mask].double()
-    if r.numel() < 2 or float(r.var()) == 0.0:
+    # Returns with (almost) no spread make the ratio meaningless (it logged -2e11 when Var was ~1e-13: issue 13).
+    if r.numel() < 2 or float(r.var()) <= var_floor * max(1.0, float(r.abs().max()) ** 2):
         return torch.tensor(float("nan"))
     return (1 - (r - v).var() / r.var()).float()
 

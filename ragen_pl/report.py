@@ -11,7 +11,10 @@ import csv
 import html
 import json
 import math
+import sys
 from pathlib import Path
+
+from ragen_pl.runs import run_chain
 
 #: figure file -> (title, y label, metric keys tried in order; a key ending in "/*/success" matches every env)
 FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -96,11 +99,38 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: Path) ->
 
 
 def read_samples(run: Path) -> list[dict]:
+    """Every sample row of a run. A cut-off last line (a run killed while writing) is skipped with a warning;
+    a bad line elsewhere is an error naming the file and line."""
     rows = []
     for path in sorted(run.rglob("samples/step_*.jsonl")):
-        with open(path) as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if number == len(lines):
+                    print(f"warning: skipping the truncated last line {number} of {path}", file=sys.stderr)
+                    continue
+                raise ValueError(f"{path}:{number}: not a JSON sample row ({err.msg})") from err
     return rows
+
+
+def read_run(run: Path) -> tuple[dict[str, list[tuple[int, float]]], list[dict]]:
+    """Metrics and samples of a run; a resumed run includes the runs it continues (their steps before its own)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    samples: list[dict] = []
+    chain = run_chain(run)
+    for i, folder in enumerate(chain):
+        part = read_series(find_metrics(folder))
+        later = chain[i + 1:]
+        cutoff = min((min((s for pts in read_series(find_metrics(f)).values() for s, _ in pts), default=math.inf)
+                      for f in later), default=math.inf)
+        for key, points in part.items():
+            series.setdefault(key, []).extend(p for p in points if p[0] < cutoff)
+        samples.extend(s for s in read_samples(folder) if s.get("step", 0) < cutoff)
+    return series, samples
 
 
 _CSS = """
@@ -161,8 +191,8 @@ def report(run_dirs: list[str | Path], out: str | Path) -> dict[str, dict[str, l
         run = Path(run)
         if not run.is_dir():
             raise FileNotFoundError(f"RUN_DIR {run} is not a folder")
-        runs[name] = read_series(find_metrics(run))
-        samples.extend({"run": name, **s} for s in read_samples(run))
+        runs[name], run_samples = read_run(run)
+        samples.extend({"run": name, **s} for s in run_samples)
     plotted = plot_runs(runs, out)
     (out / "trajectories.html").write_text(render_html(samples, f"ragen-pl trajectories: {', '.join(names)}"))
     return plotted

@@ -12,6 +12,8 @@ runs past ``step_timeout_s``, marks its trajectory failed: it is left out of the
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from ragen_pl.envs.base import Env
+from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.engine import RolloutEngine, SamplingParams
 from ragen_pl.rollout.prompt import (
     SYSTEM_PROMPT,
@@ -295,11 +298,11 @@ class Collector:
         timings = {"generate": 0.0, "env": 0.0, "tokenize": 0.0}
         episodes = []
         for spec in specs:
-            ep = Episode(spec, copy.deepcopy(spec.env))
+            ep = Episode(spec, _fresh_copy(spec.env))
             t0 = time.perf_counter()
             try:
                 with _time_limit(c.step_timeout_s):
-                    obs = ep.env.reset(spec.seed)
+                    obs = _checked_observation(ep.env.reset(spec.seed), "reset")
             except Exception as err:  # noqa: BLE001 - a broken env must not stop the rollout
                 ep.failed, ep.done = f"reset: {type(err).__name__}: {err}", True
                 episodes.append(ep)
@@ -354,6 +357,9 @@ class Collector:
             with _time_limit(c.step_timeout_s):
                 for action in parsed.actions[:budget]:
                     obs, r, done, info = ep.env.step(action)
+                    _checked_observation(obs, "step")
+                    if not isinstance(r, numbers.Real) or not math.isfinite(r):
+                        raise ValueError(f"reward must be a finite number, got {r!r}")
                     ep.actions += 1
                     if not info.get("action_is_valid", True):
                         penalised = True  # an invalid action: no env step, format penalty
@@ -366,7 +372,7 @@ class Collector:
                     if done:
                         ep.done = True
                         break
-                obs = ep.env.render()
+                obs = _checked_observation(ep.env.render(), "render")
         except Exception as err:  # noqa: BLE001 - a broken env must not stop the rollout
             ep.failed, ep.done = f"step: {type(err).__name__}: {err}", True
             timings["env"] += time.perf_counter() - t0
@@ -429,3 +435,22 @@ class Collector:
             env_tags=tuple(episodes[e].env.tag for e, _, _ in rows),
             traj_ids=torch.tensor([e for e, _, _ in rows], dtype=torch.long) if windowed else None,
         )
+
+
+def _fresh_copy(env):
+    """Each trajectory plays its own deep copy of the configured env; an env that cannot be copied is a setup error."""
+    try:
+        return copy.deepcopy(env)
+    except Exception as err:
+        raise ConfigError(
+            f"env {type(env).__name__} (tag {getattr(env, 'tag', '?')!r}) cannot be deep-copied, and every trajectory "
+            f"plays a fresh copy of it: {type(err).__name__}: {err}. Keep state such as locks, files or clients out "
+            f"of __init__ (create it in reset) or define __deepcopy__"
+        ) from err
+
+
+def _checked_observation(obs, where: str) -> str:
+    """Env output must be text: anything else fails the trajectory (counted), never the prompt or the batch."""
+    if not isinstance(obs, str):
+        raise TypeError(f"{where} must return the observation as str, got {type(obs).__name__}")
+    return obs

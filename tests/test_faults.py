@@ -1,0 +1,280 @@
+"""Fault injection (issue 13): nothing lost, nothing silent.
+
+Kills during a checkpoint save, truncated / corrupted / empty checkpoints, a resume with changed flags, ``--ckpt_path
+=last``, envs that return garbage or always fail, an env that cannot be copied, two runs started into one folder, and
+``ragen-pl report`` on a truncated and on a resumed run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragen_pl.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from ragen_pl.cli import main
+from ragen_pl.envs.bandit import Bandit
+from ragen_pl.runs import claim_version, lock_run_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fit_args(model, tmp_path, steps=2, *extra):
+    return ["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), f"--model.model={model}",
+            f"--trainer.max_steps={steps}", "--trainer.accelerator=cpu", "--trainer.precision=32-true",
+            "--trainer.devices=1", "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=100",
+            "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=2", "--data.rollout.max_new_tokens=4",
+            "--model.ppo.mini_batch_size=4", "--model.ppo.micro_batch_size=4",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", *extra]
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def test_kill_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """A writer killed mid-save (TMPDIR on another filesystem) leaves last.ckpt as it was, and no temp file."""
+    path = tmp_path / "ckpt" / "last.ckpt"
+    save_atomic({"step": 1, "w": torch.arange(10.0)}, path)
+    script = textwrap.dedent(f"""
+        import os, torch
+        import ragen_pl.checkpoint as c
+        real = c._write_atomic
+        def dying(p, data):
+            if p.suffix == ".ckpt":  # write half of the new checkpoint, then die as kill -9 would
+                tmp = p.with_name(f".{{p.name}}.tmp-{{os.getpid()}}")
+                tmp.write_bytes(data[: len(data) // 2])
+                os._exit(9)
+            real(p, data)
+        c._write_atomic = dying
+        c.save_atomic({{"step": 2, "w": torch.zeros(1_000_000)}}, {str(path)!r})
+    """)
+    env = {**os.environ, "TMPDIR": "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    state = load_checkpoint(path)  # the previous file, verified against its digest
+    assert state["step"] == 1 and torch.equal(state["w"], torch.arange(10.0))
+    # The next save cleans up: only the checkpoint and its digest remain.
+    save_atomic({"step": 3}, path)
+    leftovers = {p.name for p in path.parent.iterdir()} - {"last.ckpt", "last.ckpt.sha256"}
+    assert load_checkpoint(path)["step"] == 3
+    assert all(name.startswith(".last.ckpt.tmp-") for name in leftovers)  # only the killed writer's own temp file
+
+
+def test_saves_replace_atomically_while_another_process_reads(tmp_path):
+    """A reader never sees a partial file while checkpoints are overwritten in a loop."""
+    path = tmp_path / "last.ckpt"
+    save_atomic({"i": 0, "w": torch.zeros(200_000)}, path)
+    errors = []
+
+    def read():
+        for _ in range(30):
+            try:
+                load_checkpoint(path)
+            except CheckpointError as err:
+                errors.append(str(err))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for i in range(1, 15):
+        save_atomic({"i": i, "w": torch.full((200_000,), float(i))}, path)
+    reader.join()
+    assert errors == []
+    assert load_checkpoint(path)["i"] == 14
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("empty", r"checkpoint .*bad\.ckpt is empty \(0 bytes\)"),
+    ("truncated", r"checkpoint .*bad\.ckpt (is corrupt: its sha256 does not match|cannot be read)"),
+    ("flipped", r"checkpoint .*bad\.ckpt is corrupt: its sha256 does not match bad\.ckpt\.sha256"),
+    ("missing", r"checkpoint .*bad\.ckpt does not exist"),
+])
+def test_damaged_checkpoints_are_one_line_errors(tmp_path, damage, message):
+    path = tmp_path / "bad.ckpt"
+    save_atomic({"w": torch.randn(100_000)}, path)
+    data = path.read_bytes()
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 3])
+    elif damage == "flipped":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes(64 * [0xFF]) + data[middle + 64:])
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_checkpoint_without_digest_is_one_line(tmp_path):
+    path = tmp_path / "old.ckpt"
+    torch.save({"w": torch.randn(100_000)}, path)
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match=r"checkpoint .*old\.ckpt cannot be read \(truncated or corrupt\)"):
+        load_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_cli_resume_paths(tiny_model_path, tmp_path, capsys):
+    """The end-of-run checkpoint, --ckpt_path=last, changed flags refused, damaged files named, report stitched."""
+    assert main(_fit_args(tiny_model_path, tmp_path, 3)) == 0
+    last = tmp_path / "runs" / "bandit" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3  # saved at the end, not at the last multiple of 5
+    capsys.readouterr()
+
+    # A changed model flag on resume is refused, naming it (the checkpoint's settings would silently win).
+    code = main(_fit_args(tiny_model_path, tmp_path, 5, "--ckpt_path=last", "--model.advantage=grpo",
+                          "--model.optim.actor_lr=0.5"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "--model.advantage: checkpoint 'ragen_pl.advantages.GAE', given 'ragen_pl.advantages.GRPO'" in err[0]
+    assert "--model.optim.actor_lr: checkpoint 1e-06, given 0.5" in err[0]
+
+    for name, data in (("empty.ckpt", b""), ("cut.ckpt", last.read_bytes()[:4096])):
+        (tmp_path / name).write_bytes(data)
+        assert main(_fit_args(tiny_model_path, tmp_path, 5, f"--ckpt_path={tmp_path / name}")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: checkpoint {tmp_path / name}"), err
+
+    # `last` resumes the newest last.ckpt of this config's run folder; trainer flags apply.
+    assert main(_fit_args(tiny_model_path, tmp_path, 5, "--ckpt_path=last")) == 0
+    version_1 = tmp_path / "runs" / "bandit" / "version_1"
+    assert json.loads((version_1 / "run.json").read_text())["resumed_from"] == str(last.resolve())
+    with open(version_1 / "metrics.csv") as f:
+        steps = sorted({int(r["step"]) for r in csv.DictReader(f) if r.get("loss/policy")})
+    assert steps and min(steps) >= 3  # continued, not from scratch
+
+    from ragen_pl.report import report
+
+    plotted = report([version_1], tmp_path / "report")
+    success = next(iter(plotted["success.png"].values()))
+    assert success[0][0] < 3 and success[-1][0] >= 3  # the resumed run's report includes its first part
+
+    assert main(_fit_args(tiny_model_path, tmp_path / "elsewhere", 5, "--ckpt_path=last")) == 2
+    assert "--ckpt_path=last: no last.ckpt under" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ envs
+class NoneEnv(Bandit):
+    """Returns None observations and NaN rewards: every trajectory must count as failed, not train on NaN."""
+
+    def reset(self, seed):
+        super().reset(seed)
+        return None
+
+    def step(self, action):
+        obs, _, done, info = super().step(action)
+        return obs, float("nan"), done, info
+
+
+class RaisingEnv(Bandit):
+    def reset(self, seed):
+        raise RuntimeError("the env server is down")
+
+
+class LockedEnv(Bandit):
+    def __init__(self, tag=None):
+        super().__init__(tag=tag)
+        self.lock = threading.Lock()
+
+
+def _collect(env):
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+    from ragen_pl.rollout.engine import Generation, RolloutEngine
+
+    class Fixed(RolloutEngine):
+        def generate(self, prompts, params):
+            return [Generation(tok.encode("<think>x</think><answer>" + Bandit().actions[0] + "</answer>"),
+                               [0.0] * 9, "stop") for _ in prompts]
+
+    from transformers import AutoTokenizer
+
+    from ragen_pl.tiny import build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model())
+    return Collector(Fixed(), tok, RolloutConfig(max_turns=1)).collect([EpisodeSpec(env, seed=i, group_id=i)
+                                                                          for i in range(3)])
+
+
+def test_none_observation_and_nan_reward_fail_the_trajectory():
+    result = _collect(NoneEnv())
+    assert result.batch is None and len(result.episodes) == 3
+    assert all("must return the observation as str, got NoneType" in ep.failed for ep in result.episodes)
+
+
+def test_uncopyable_env_names_the_env_and_the_copy():
+    from ragen_pl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"env LockedEnv \(tag 'LockedEnv'\) cannot be deep-copied.*cannot pickle"):
+        _collect(LockedEnv())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["training", "validation"])
+def test_all_failing_envs_are_one_line(tiny_model_path, tmp_path, where, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    env_flag = "--data.env=tests.test_faults.RaisingEnv"
+    extra = [env_flag, "--trainer.limit_val_batches=0"] if where == "training" else \
+        ["--data.val_envs=[tests.test_faults.RaisingEnv]", "--trainer.limit_val_batches=1"]
+    code = main(_fit_args(tiny_model_path, tmp_path, 1, *extra))
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    kind = "trajectory of training iteration 0" if where == "training" else "val episode of env 'RaisingEnv'"
+    assert f"every {kind} failed; the envs said: RaisingEnv: reset: RuntimeError: the env server is down (x" in errors[0]
+
+
+# ------------------------------------------------------------------------------------------ run folders
+def test_two_runs_never_share_a_version_folder(tmp_path):
+    versions = []
+    threads = [threading.Thread(target=lambda: versions.append(claim_version(tmp_path))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(versions) == list(range(8))
+
+
+def test_a_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    from ragen_pl.errors import ConfigError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdout.write('x'); sys.stdout.flush(); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.read(1)
+        (tmp_path.parent / f".{tmp_path.name}.lock").write_text(str(holder.pid))
+        with pytest.raises(ConfigError, match=rf"run folder {tmp_path} is in use by process {holder.pid}"):
+            lock_run_folder(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run_folder(tmp_path)  # its process is gone: the lock is stale
+    assert (tmp_path.parent / f".{tmp_path.name}.lock").read_text() == str(os.getpid())
+
+
+def test_report_skips_a_truncated_last_sample_line_and_names_a_bad_one(tmp_path, capsys):
+    from ragen_pl.report import read_samples
+
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    good = json.dumps({"step": 0, "env": "Bandit", "transcript": []})
+    (samples / "step_000000.jsonl").write_text(good + "\n" + good[:20])
+    assert len(read_samples(tmp_path)) == 1
+    assert "skipping the truncated last line 2 of" in capsys.readouterr().err
+    (samples / "step_000005.jsonl").write_text(good[:20] + "\n" + good + "\n")
+    with pytest.raises(ValueError, match=r"step_000005\.jsonl:1: not a JSON sample row"):
+        read_samples(tmp_path)
+
+
+def test_explained_variance_of_nearly_constant_returns_is_nan():
+    from ragen_pl.module import explained_variance
+
+    returns = torch.tensor([[1.0, 1.0 + 1e-7, 1.0 - 1e-7]])
+    values = torch.zeros_like(returns)
+    assert torch.isnan(explained_variance(values, returns, torch.ones_like(returns, dtype=torch.bool)))
