@@ -6,12 +6,17 @@ other demonstrations), then trains the quickstart with ``seed_everything`` = tha
 success per env at step 0 and at the end. ``tests/test_quickstart.py`` takes its margins from this table.
 
     python benchmarks/learning_seeds.py [--seeds 0 1 2 3 4] [--steps 20] [--val-episodes 64]
+        [--config configs/variants/grpo.yaml] [--keep DIR]
+
+``--config`` adds a config on top of the quickstart (e.g. the GRPO variant); ``--keep DIR`` copies each run's
+metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -19,20 +24,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(seed: int, steps: int, val_episodes: int) -> dict[str, tuple[float, float]]:
+def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path | None) -> dict[str, tuple[float, float]]:
     from ragen_pl.cli import main as cli
     from ragen_pl.tiny import TinyConfig, build_warm_tiny_model
 
     model = build_warm_tiny_model(TinyConfig(seed=seed))
     out = Path(tempfile.mkdtemp(prefix=f"ragen-pl-seed{seed}-"))
-    code = cli(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), f"--model.model={model}",
+    code = cli(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), *extra, f"--model.model={model}",
                 f"--seed_everything={seed}", f"--data.seed={1000 * seed}", f"--trainer.max_steps={steps}",
                 f"--trainer.val_check_interval={steps}", f"--data.val_episodes={val_episodes}",
                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={out}",
                 "--trainer.enable_checkpointing=false"])
     if code:
         raise SystemExit(code)
-    with open(next(out.glob("*/version_*/metrics.csv"))) as f:
+    metrics = next(out.glob("*/version_*/metrics.csv"))
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(metrics, keep / f"seed{seed}.csv")
+    with open(metrics) as f:
         rows = list(csv.DictReader(f))
     result = {}
     for key in sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/success")}):
@@ -46,11 +55,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-episodes", type=int, default=64)
+    parser.add_argument("--config", action="append", default=[], help="extra config on top of the quickstart")
+    parser.add_argument("--keep", type=Path, default=None, help="copy each run's metrics.csv here")
     args = parser.parse_args()
+    extra = [a for c in args.config for a in ("--config", c)]
     table = {}
     for seed in args.seeds:
         start = time.perf_counter()
-        table[seed] = run(seed, args.steps, args.val_episodes)
+        table[seed] = run(seed, args.steps, args.val_episodes, extra, args.keep)
         cells = "  ".join(f"{env} {a:.3f} -> {b:.3f}" for env, (a, b) in table[seed].items())
         print(f"seed {seed}: {cells}  ({time.perf_counter() - start:.0f}s with the warm start)", flush=True)
     for env in next(iter(table.values())):

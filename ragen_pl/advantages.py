@@ -49,15 +49,31 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalise ``x`` to zero mean and unit (unbiased) variance over the valid positions; zeros elsewhere.
 
-    The same rule as verl's ``masked_whiten``, which RAGEN uses.
+    The same rule as verl's ``masked_whiten``, which RAGEN uses. Under several processes (DDP, FSDP) the mean and
+    variance are those of the *global* batch (sums all-reduced over the default process group), so N processes
+    give the advantages one process would; every process must call it, as the estimators are in each update.
     """
-    mean = masked_mean(x, mask)
-    n = mask.sum()
-    var = masked_mean((x - mean) ** 2, mask) * (n / (n - 1).clamp(min=1))
-    out = (x - mean) * torch.rsqrt(var + eps)
+    valid = torch.where(mask, x, 0.0).double()
+    first = _sum_over_processes(torch.stack([valid.sum(), mask.sum().double()]))
+    total, n = first[0], first[1]
+    mean = total / n.clamp(min=1)
+    squares = _sum_over_processes(torch.where(mask, (x.double() - mean) ** 2, 0.0).sum())
+    var = squares / (n - 1).clamp(min=1)
+    out = (x.double() - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * mask
+    return (out * mask).to(x.dtype)
+
+
+def _sum_over_processes(t: Tensor) -> Tensor:
+    """``t`` summed over every process of the default group (itself when there is only one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
 
 
 def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -228,8 +244,11 @@ def _grouped(fn, batch: TrajectoryBatch, **kwargs) -> Tensor:
     """
     stats = batch.stats()
     inverse, _ = batch.trajectory_index()
-    _, _, count = group_stats(stats.scores, stats.group_ids)
-    usable = (stats.lengths > 0) & (count > 1)
+    # Group sizes count only trajectories with sampled tokens: a group-mate without any has no score to compare.
+    usable = stats.lengths > 0
+    if bool(usable.any()):
+        _, _, count = group_stats(stats.scores[usable], stats.group_ids[usable])
+        usable[usable.clone()] = count > 1
     adv = torch.zeros_like(stats.scores)
     if bool(usable.any()):
         adv[usable] = fn(stats.scores[usable], stats.group_ids[usable], **kwargs)
@@ -298,38 +317,60 @@ class GAE(Advantage):
 
 
 class BiLevelGAE(Advantage):
-    """Turn-level GAE across turns and token-level GAE inside a turn (the paper's bi-level variant)."""
+    """Turn-level GAE across turns and token-level GAE inside a turn (the paper's bi-level variant).
+
+    Where a turn ends is the one choice that differs between implementations:
+
+    * ``segments="rewarded"`` (default, RAGEN's ``compute_bi_level_gae_advantage_return``): a turn ends at every
+      sampled token with a non-zero reward, and one ``lam`` serves both levels. A turn whose reward is exactly 0
+      therefore merges into the next one, and with a single reward on the last token this is token-level GAE. RAGEN's
+      loop raises IndexError when the last sampled token has no reward; here that token simply ends the episode
+      (the value after it is 0), as the last token does in plain GAE.
+    * ``segments="turn_ids"``: a turn ends at the last sampled token of each model turn, whatever its reward, and
+      ``lam_turn`` may differ from ``lam``.
+
+    With turn rewards [1, 0, 2], zero values and ``gamma_turn=0.5``, ``rewarded`` gives the tokens of the three turns
+    advantages 2, 2, 2 (turns 1 and 2 are one segment: 1 + 0.5 * 2), while ``turn_ids`` gives 1.5, 1, 2.
+    """
 
     needs_critic = True
 
     def __init__(
         self,
         gamma_turn: float = 0.95,
-        lam_turn: float = 1.0,
         gamma_token: float = 1.0,
-        lam_token: float = 1.0,
+        lam: float = 1.0,
+        segments: Literal["rewarded", "turn_ids"] = "rewarded",
+        lam_turn: float | None = None,
         whiten: bool = True,
     ) -> None:
         """
         Args:
             gamma_turn: discount across turns (0.95 in the paper).
-            lam_turn: GAE lambda across turns.
             gamma_token: discount across tokens inside a turn (1.0 in the paper).
-            lam_token: GAE lambda inside a turn.
+            lam: GAE lambda inside a turn, and across turns unless ``lam_turn`` is set.
+            segments: where turns end: ``rewarded`` tokens (RAGEN's rule) or the model's own ``turn_ids``.
+            lam_turn: GAE lambda across turns (only with ``segments="turn_ids"``); None uses ``lam``.
             whiten: normalise advantages over the batch's sampled tokens.
         """
-        for name, v in (("gamma_turn", gamma_turn), ("lam_turn", lam_turn), ("gamma_token", gamma_token),
-                        ("lam_token", lam_token)):
+        for name, v in (("gamma_turn", gamma_turn), ("gamma_token", gamma_token), ("lam", lam)):
             _check_unit(name, v)
-        self.gamma_turn, self.lam_turn = gamma_turn, lam_turn
-        self.gamma_token, self.lam_token, self.whiten = gamma_token, lam_token, whiten
+        if segments not in ("rewarded", "turn_ids"):
+            raise ValueError(f"`segments` must be 'rewarded' or 'turn_ids', got {segments!r}")
+        if lam_turn is not None:
+            _check_unit("lam_turn", lam_turn)
+            if segments == "rewarded":
+                raise ValueError("`lam_turn` needs `segments: turn_ids` (RAGEN's rule uses one lambda, `lam`)")
+        self.gamma_turn, self.gamma_token, self.lam = gamma_turn, gamma_token, lam
+        self.segments, self.lam_turn, self.whiten = segments, lam_turn, whiten
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor]:
         st = batch.stitch
-        adv, ret = bilevel_gae(
-            st(batch.rewards), st(_values_of(batch, "BiLevelGAE")), st(batch.loss_mask), st(batch.turn_ends),
-            self.gamma_turn, self.lam_turn, self.gamma_token, self.lam_token,
-        )
+        rewards, mask = st(batch.rewards), st(batch.loss_mask)
+        ends = (rewards != 0) & mask if self.segments == "rewarded" else st(batch.turn_ends)
+        lam_turn = self.lam if self.lam_turn is None else self.lam_turn
+        adv, ret = bilevel_gae(rewards, st(_values_of(batch, "BiLevelGAE")), mask, ends,
+                               self.gamma_turn, lam_turn, self.gamma_token, self.lam)
         adv, ret = batch.unstitch(adv), batch.unstitch(ret)
         return (masked_whiten(adv, batch.loss_mask) if self.whiten else adv), ret
 

@@ -21,6 +21,9 @@ __all__ = [
     "value_loss",
 ]
 
+#: Bound on |log(p / p_old)| and |log(p / p_ref)| (verl's): exp(20) is large but finite.
+LOG_RATIO_CLAMP = 20.0
+
 _AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -70,7 +73,8 @@ def policy_loss(
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"`dual_clip` must be > 1 (or None), got {dual_clip}")
     # Masked first: positions outside the mask may hold anything, even inf or nan.
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    # Clamped as in verl: one token whose log-ratio is ~100 would otherwise make the ratio inf and the loss NaN.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -119,7 +123,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLEstimator = "k3")
     ``r = p / p_ref``, so ``log r = logprobs - ref_logprobs`` (``k3`` is unbiased and always >= 0). ``k3`` is
     clamped to [-10, 10] as in verl, since a single token can otherwise blow it up.
     """
-    log_ratio = logprobs - ref_logprobs
+    # The log-ratio is clamped to +-20 (verl's rule for k3): a -inf log-prob would otherwise give inf - inf = NaN.
+    log_ratio = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

@@ -6,6 +6,7 @@ Keys are ``rollout/<name>`` for the whole batch and ``rollout/<tag>/<name>`` per
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -29,10 +30,40 @@ RESPONSE_TOKENS = "response_tokens"
 FAILED = "failed_envs"
 TRUNCATED = "truncated"
 REPETITION = "repetition"
+THINK_ANSWER_AGREEMENT = "think_answer_agreement"
+THINK_WORDS = "think_words"
 
 
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def think_answer_agreement(think: str, answered: Sequence[str]) -> bool:
+    """Whether the thinking names every action the turn then answers (whole words, any case).
+
+    The paper's "shallow or hallucinated reasoning" is thinking that no longer matches the answer after RL
+    ("I will try Down." then ``<answer>Right</answer>``); this is the cheap check for envs with named actions.
+    """
+    words = set(re.findall(r"[a-z0-9]+", think.lower()))
+    return all(set(re.findall(r"[a-z0-9]+", a.lower())) <= words for a in answered)
+
+
+def _reasoning(ok: Sequence[Episode]) -> dict[str, float]:
+    """Agreement (envs with named actions) and thinking length in words, over turns that parsed."""
+    agree, words = [], []
+    for ep in ok:
+        named = ep.env.actions is not None
+        for t in ep.transcript:
+            if t.get("role") != "model" or not t.get("format_ok"):
+                continue
+            think = t.get("think", "")
+            words.append(len(think.split()))
+            if named and t.get("answered"):
+                agree.append(float(think_answer_agreement(think, t["answered"])))
+    out = {THINK_WORDS: _mean(words)}
+    if agree:
+        out[THINK_ANSWER_AGREEMENT] = _mean(agree)
+    return out
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -70,6 +101,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         TRUNCATED: _mean([float(ep.truncated) for ep in ok]),
         REPETITION: _mean(repetition),
     })
+    out.update(_reasoning(ok))
     return out
 
 

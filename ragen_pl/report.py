@@ -23,6 +23,9 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "reward_std.png": ("In-group reward std (before filtering)", "std", ("filter/reward_std_before",)),
     "response_length.png": ("Response length", "tokens per trajectory", ("rollout/response_tokens",)),
     "grad_norm.png": ("Actor gradient norm", "norm", ("actor/grad_norm",)),
+    "reasoning.png": ("Thinking that names the answered actions", "share of turns",
+                      ("rollout/think_answer_agreement", "rollout/*/think_answer_agreement")),
+    "think_length.png": ("Thinking length", "words per turn", ("rollout/think_words", "rollout/*/think_words")),
 }
 
 

@@ -125,7 +125,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 #: The entry in a config's ``model:`` field that names the warm-started tiny model.
 TINY_MODEL_ID = "ragen-pl/tiny"
 #: Bump when the demonstrations or the SFT recipe change, so cached warm models are rebuilt.
-WARM_START_VERSION = 2
+WARM_START_VERSION = 3  # 3: RAGEN's env generators and wording (issue 11)
 
 
 def warm_start_rollout():

@@ -291,3 +291,79 @@ def test_turns_as_rows_give_the_same_advantages(seed):
         merged = torch.zeros_like(full).index_add_(0, inverse, split)  # every sampled token sits in one row
         assert_close(merged, full, atol=1e-5, rtol=1e-5, msg=type(est).__name__)
     torch.testing.assert_close(rows.stats().scores, b.stats().scores)
+
+
+# ------------------------------------------------------------------- bi-level GAE: where turns end (issue 11)
+def _three_turns(values=None):
+    # Turns of two sampled tokens each, separated by env tokens; turn rewards [1, 0, 2] on each turn's last token.
+    return make_batch([[1, 1, 0, 1, 1, 0, 1, 1]], rewards=[[0, 1, 0, 0, 0, 0, 0, 2]],
+                      turn_ids=[[0, 0, -1, 1, 1, -1, 2, 2]], values=values or [[0.0] * 8])
+
+
+def test_bilevel_segments_hand_derived():
+    b = _three_turns()
+    # rewarded (RAGEN): turn 2 has reward 0, so it is no turn end: the segments are {turn 1} and {turns 2, 3}.
+    #   turn level: end of turn 3: A = 2; end of turn 1: A = 1 + 0.5 * 0 - 0 + 0.5 * 1 * 2 = 2.
+    #   token level (gamma = lam = 1, values 0): every token of a segment gets its end's return: 2 everywhere.
+    adv, _ = BiLevelGAE(gamma_turn=0.5, whiten=False)(b)
+    assert_close(adv, torch.tensor([[2.0, 2.0, 0.0, 2.0, 2.0, 0.0, 2.0, 2.0]]))
+    # turn_ids: three turns. A3 = 2; A2 = 0 + 0.5 * 2 = 1; A1 = 1 + 0.5 * 1 = 1.5.
+    adv, _ = BiLevelGAE(gamma_turn=0.5, segments="turn_ids", whiten=False)(b)
+    assert_close(adv, torch.tensor([[1.5, 1.5, 0.0, 1.0, 1.0, 0.0, 2.0, 2.0]]))
+
+
+def test_bilevel_rewarded_with_values_hand_derived():
+    # values on the sampled tokens: [0.1, 0.2, _, 0.3, 0.4, _, 0.5, 0.6]; gamma_turn 0.5, lam 1, gamma_token 1.
+    # Segment ends (rewarded tokens): t1 (r=1), t7 (r=2).
+    #   turn level: t7: delta = 2 - 0.6 = 1.4, A = 1.4, G7 = 2.0
+    #               t1: delta = 1 + 0.5 * 0.6 - 0.2 = 1.1, A = 1.1 + 0.5 * 1.4 = 1.8, G1 = 2.0
+    #   token level, segment 2 backwards: t7: 2.0 - 0.6 = 1.4; t6: 0 + 0.6 - 0.5 + 1.4 = 1.5;
+    #     t4: 0 + 0.5 - 0.4 + 1.5 = 1.6; t3: 0 + 0.4 - 0.3 + 1.6 = 1.7
+    #   segment 1: t1: 2.0 - 0.2 = 1.8; t0: 0 + 0.2 - 0.1 + 1.8 = 1.9
+    b = _three_turns([[0.1, 0.2, 9.0, 0.3, 0.4, 9.0, 0.5, 0.6]])
+    adv, ret = BiLevelGAE(gamma_turn=0.5, whiten=False)(b)
+    assert_close(adv, torch.tensor([[1.9, 1.8, 0.0, 1.7, 1.6, 0.0, 1.5, 1.4]]))
+    assert_close(ret, torch.tensor([[2.0, 2.0, 0.0, 2.0, 2.0, 0.0, 2.0, 2.0]]))
+
+
+def test_bilevel_rewarded_last_turn_without_reward():
+    """RAGEN's loop raises IndexError here; the last sampled token ends the episode (value after it 0)."""
+    # tokens [s s | s s], rewards [0, 1, 0, 0], values 0: segment end t1 only.
+    # t4, t3 (after the last end): delta 0, A 0. t1: A = G = 1; t0: A = 1.
+    b = make_batch([[1, 1, 0, 1, 1]], rewards=[[0, 1, 0, 0, 0]], turn_ids=[[0, 0, -1, 1, 1]], values=[[0.0] * 5])
+    adv, _ = BiLevelGAE(gamma_turn=0.5, whiten=False)(b)
+    assert_close(adv, torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bilevel_rewarded_falls_back_to_token_gae(seed):
+    """One reward, on the last sampled token: RAGEN's bi-level GAE is token-level GAE."""
+    b = random_batch(4, 30, seed=seed, turns=3)
+    last = b.loss_mask.cumsum(-1) == b.loss_mask.sum(-1, keepdim=True)
+    last &= b.loss_mask
+    b.rewards = torch.where(last, torch.randn(4, 30, generator=torch.Generator().manual_seed(seed)), 0.0)
+    adv, _ = BiLevelGAE(gamma_turn=0.3, gamma_token=0.9, lam=0.8, whiten=False)(b)
+    ref, _ = gae(b.rewards, b.values, b.loss_mask, gamma=0.9, lam=0.8)
+    assert_close(adv, ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bilevel_rewarded_matches_ragen_loop(seed):
+    """Against the RAGEN reference loop with its own rule: ends are the rewarded tokens, one lambda."""
+    b = random_batch(5, 40, seed=seed, turns=4)
+    # Some turns get reward exactly 0 (they merge into the next segment); the last sampled token keeps its reward.
+    g = torch.Generator().manual_seed(100 + seed)
+    zero = (torch.rand(5, 40, generator=g) < 0.4) & b.turn_ends
+    last = (b.loss_mask.cumsum(-1) == b.loss_mask.sum(-1, keepdim=True)) & b.loss_mask
+    b.rewards = torch.where(zero & ~last, 0.0, b.rewards)
+    ends = (b.rewards != 0) & b.loss_mask
+    adv, _ = BiLevelGAE(gamma_turn=0.9, gamma_token=0.95, lam=0.8, whiten=False)(b)
+    ref = bilevel_reference(b.rewards, b.values, b.loss_mask, ends, 0.9, 0.8, 0.95, 0.8)
+    assert_close(adv.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bilevel_arguments():
+    with pytest.raises(ValueError, match=r"`lam_turn` needs `segments: turn_ids`"):
+        BiLevelGAE(lam_turn=0.9)
+    with pytest.raises(ValueError, match=r"`segments` must be 'rewarded' or 'turn_ids', got 'turns'"):
+        BiLevelGAE(segments="turns")  # type: ignore[arg-type]

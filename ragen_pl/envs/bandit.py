@@ -3,6 +3,10 @@
 Two arms whose names carry meaning (default ``Phoenix`` and ``Dragon``). The low-risk arm pays 0.1 always; the
 high-risk arm pays 1.0 with probability 0.25, else 0 (expected 0.25, so it is the better arm). Which arm is shown
 first is shuffled per seed. Success means choosing the high-risk arm. The episode ends after one valid choice.
+
+The instructions are RAGEN's by default: they tell the model that each arm's payouts relate to its name and ask it
+to reason about the names' symbolic meaning (the paper's experiment on prior knowledge); ``symbolic_hint=False``
+gives neutral instructions instead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class Bandit(Env):
         low_reward: float = 0.1,
         high_reward: float = 1.0,
         high_prob: float = 0.25,
+        symbolic_hint: bool = True,
         tag: str | None = None,
     ) -> None:
         """
@@ -29,6 +34,7 @@ class Bandit(Env):
             low_reward: what the low-risk arm always pays.
             high_reward: what the high-risk arm pays when it pays.
             high_prob: probability that the high-risk arm pays.
+            symbolic_hint: RAGEN's instructions (payouts relate to the arms' names; reason about their meaning).
             tag: metrics tag (default ``Bandit``).
         """
         super().__init__(tag)
@@ -38,6 +44,9 @@ class Bandit(Env):
         if low_arm.strip().lower() == high_arm.strip().lower():
             raise ValueError(f"`low_arm` and `high_arm` must differ (case-insensitively), both are {low_arm!r}")
         check_range("high_prob", high_prob, 0.0, 1.0)
+        if not isinstance(symbolic_hint, bool):
+            raise TypeError(f"`symbolic_hint` must be true or false, got {symbolic_hint!r}")
+        self.symbolic_hint = symbolic_hint
         self.low_arm, self.high_arm = low_arm.strip(), high_arm.strip()
         self.low_reward, self.high_reward, self.high_prob = float(low_reward), float(high_reward), float(high_prob)
         self._rng = random.Random(0)
@@ -48,10 +57,23 @@ class Bandit(Env):
 
     @property
     def instructions(self) -> str:
+        a, b = self._order
+        if self.symbolic_hint:  # RAGEN's wording
+            return (
+                "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull.\n"
+                "Game Rules:\n"
+                f"1. There are 2 arms, named {a} and {b}\n"
+                "2. Each arm has its own reward distribution, related to their names.\n"
+                "3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution might "
+                "behave.\n"
+                "4. Based on the symbolic meaning of their names, which arm do you think is more likely to give higher "
+                f"rewards on average? Choose between {a} and {b}, and output like <answer> {a} </answer> or "
+                f"<answer> {b} </answer>."
+            )
         return (
             "You are playing a bandit game. You pull one of two arms; each arm pays a reward drawn from its own "
             "distribution, and your goal is to maximise the reward.\n"
-            f"Actions: {self._order[0]}, {self._order[1]} (answer with the name of the arm to pull)."
+            f"Actions: {a}, {b} (answer with the name of the arm to pull)."
         )
 
     def reset(self, seed: int) -> str:

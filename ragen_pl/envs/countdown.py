@@ -1,9 +1,10 @@
 """Countdown (single turn, language actions), as in RAGEN / TinyZero.
 
-Given a list of numbers and a target, answer with an arithmetic expression (``+ - * /`` and parentheses) that uses
-each number at most once and equals the target. Reward 1.0 for a correct equation, 0.1 for a well-formed wrong one.
-Anything else (a number not on the list or used twice, another operator, a syntax error, division by zero) is an
-invalid action.
+Given a list of numbers and a target, answer with an arithmetic expression (``+ - * /``, unary minus and
+parentheses) that uses every number exactly once and equals the target. Scoring and termination are RAGEN's (from
+TinyZero): the numbers in the answer must be exactly the given ones, each once, or the reward is 0; then 1.0 if the
+expression equals the target, else the format score 0.1. Every answer ends the episode, and every answer is a valid
+action (there is nothing else to do), so no format penalty applies on top.
 
 Expressions are checked by a whitelist parser over :mod:`ast` and evaluated with exact fractions: never ``eval``.
 Input is bounded in length before parsing, so hostile text (``__import__('os')``, ``9**9**9``, deep nesting,
@@ -22,6 +23,7 @@ from ragen_pl.envs.base import Env, StepResult, check_int, check_range
 
 MAX_EXPRESSION_CHARS = 200
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/() \t]*")  # ASCII only: unicode digits and letters never reach the parser
+_NUMBER = re.compile(r"[0-9]+")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
@@ -50,6 +52,9 @@ def parse_expression(text: str) -> tuple[Fraction, list[int]]:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             literals.append(node.value)
             return Fraction(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):  # "- 3 + 5 + 2"
+            value = walk(node.operand, depth + 1)
+            return -value if isinstance(node.op, ast.USub) else value
         if isinstance(node, ast.BinOp):
             left, right = walk(node.left, depth + 1), walk(node.right, depth + 1)
             if isinstance(node.op, ast.Div):
@@ -82,11 +87,11 @@ class Countdown(Env):
     ) -> None:
         """
         Args:
-            num_numbers: how many numbers are given.
+            num_numbers: how many numbers are given (all must be used).
             max_number: numbers are drawn from 1..max_number.
             max_target: targets lie in 1..max_target.
             correct_reward: reward for an expression equal to the target.
-            format_reward: reward for a well-formed expression with the wrong value.
+            format_reward: reward for an answer that uses every number once but misses the target (RAGEN: 0.1).
             tag: metrics tag (default ``Countdown``).
         """
         super().__init__(tag)
@@ -106,19 +111,19 @@ class Countdown(Env):
     @property
     def instructions(self) -> str:
         return (
-            "You are playing Countdown. Using the given numbers, each at most once, and the operators + - * / with "
-            "parentheses, write an expression equal to the target. Answer with the expression only, e.g. "
-            "(25 - 5) * 3."
+            "You are solving the Countdown puzzle. You should use the num list to create an equation that equals the "
+            "target. Use every number exactly once, with + - * / and parentheses. Answer with the expression only, "
+            "e.g. <answer>2 + 5 - 3</answer> for nums [3, 5, 2] and target 4."
         )
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
         while True:
             numbers = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
-            # Build the target from a random subset so that at least one solution exists.
-            used = rng.sample(numbers, rng.randint(2, self.num_numbers))
-            value, expression = Fraction(used[0]), str(used[0])
-            for n in used[1:]:
+            # Build the target from every number, in a random order, so that a solution using each once exists.
+            order = rng.sample(numbers, len(numbers))
+            value, expression = Fraction(order[0]), str(order[0])
+            for n in order[1:]:
                 op = rng.choice("+-*/")
                 if op == "/" and value % n != 0:
                     op = "+"
@@ -140,13 +145,17 @@ class Countdown(Env):
     def step(self, action: str) -> StepResult:
         if self._done:
             return self.invalid(self.render())
+        self.answer, self._done = action.strip()[:MAX_EXPRESSION_CHARS], True
+        reward = self.score(action)
+        success = reward == self.correct_reward
+        return self.render(), reward, True, {"success": success, "action_is_valid": True, "action_is_effective": reward > 0}
+
+    def score(self, answer: str) -> float:
+        """RAGEN's rule: 0 unless the answer's numbers are exactly the given ones; then correct or format score."""
+        if len(answer) > MAX_EXPRESSION_CHARS or Counter(int(n) for n in _NUMBER.findall(answer)) != Counter(self.numbers):
+            return 0.0
         try:
-            value, literals = parse_expression(action)
+            value, _ = parse_expression(answer)
         except ExpressionError:
-            return self.invalid(self.render())
-        if Counter(literals) - Counter(self.numbers):  # a number not given, or used more often than given
-            return self.invalid(self.render())
-        self.answer, self._done = action.strip(), True
-        success = value == self.target
-        reward = self.correct_reward if success else self.format_reward
-        return self.render(), reward, True, {"success": success, "action_is_valid": True, "action_is_effective": True}
+            return self.format_reward  # every number, once, but not a valid expression
+        return self.correct_reward if value == self.target else self.format_reward

@@ -1,8 +1,9 @@
 """FrozenLake (multi-turn, stochastic), as in RAGEN / Gymnasium.
 
-A square map; each tile is frozen with probability ``frozen_prob`` (0.8), the rest are holes; the start is the
-top-left corner and the goal the bottom-right one, and maps are redrawn until a path joins them (Gymnasium's
-``generate_random_map``). With ``slippery`` the intended move happens with probability 1/3 and each perpendicular
+A square map; each tile is frozen with probability ``frozen_prob`` (0.8), the rest are holes. RAGEN's generator (the
+default, ``layout="random"``) then draws the start and the goal as two distinct random tiles; Gymnasium's
+(``layout="corners"``) puts them in the top-left and bottom-right corners. Maps are redrawn until a path of frozen
+tiles joins start and goal. With ``slippery`` the intended move happens with probability 1/3 and each perpendicular
 move with 1/3 (Gymnasium's rule). Reward 1 on reaching the goal; the episode ends at the goal or in a hole.
 
 Action order is Gymnasium's (Left, Down, Right, Up), so the two perpendicular moves of action ``a`` are
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import Literal
 
 from ragen_pl.envs.base import Env, StepResult, check_int, check_range
 
@@ -30,6 +32,7 @@ class FrozenLake(Env):
         frozen_prob: float = 0.8,
         slippery: bool = True,
         max_steps: int = 100,
+        layout: Literal["random", "corners"] = "random",
         tag: str | None = None,
     ) -> None:
         """
@@ -38,6 +41,8 @@ class FrozenLake(Env):
             frozen_prob: probability that a tile (other than start and goal) is frozen rather than a hole.
             slippery: the intended move happens with probability 1/3, each perpendicular one with 1/3.
             max_steps: the episode ends after this many env steps.
+            layout: ``random`` start and goal on each map (RAGEN's; mean shortest path 2.8 moves on 4x4), or the
+                ``corners`` (Gymnasium's; 6.0 moves, a much harder task).
             tag: metrics tag (default ``FrozenLake``).
         """
         super().__init__(tag)
@@ -48,10 +53,13 @@ class FrozenLake(Env):
         if not isinstance(slippery, bool):
             raise TypeError(f"`slippery` must be true or false, got {slippery!r}")
         check_int("max_steps", max_steps, 1)
+        if layout not in ("random", "corners"):
+            raise ValueError(f"`layout` must be 'random' or 'corners', got {layout!r}")
+        self.layout = layout
         self.size, self.frozen_prob, self.slippery, self.max_steps = size, float(frozen_prob), slippery, max_steps
         self.holes: frozenset[tuple[int, int]] = frozenset()
-        self.goal = (size - 1, size - 1)
-        self.pos = (0, 0)
+        self.start, self.goal = (0, 0), (size - 1, size - 1)
+        self.pos = self.start
         self.steps = 0
         self._rng = random.Random(0)
         self._policy: dict[tuple[int, int], str] | None = None
@@ -70,18 +78,20 @@ class FrozenLake(Env):
         )
 
     def reset(self, seed: int) -> str:
-        self._rng = random.Random(seed)
+        self._rng = rng = random.Random(seed)
         n = self.size
-        while True:
-            holes = frozenset(
-                (r, c)
-                for r in range(n)
-                for c in range(n)
-                if (r, c) not in ((0, 0), self.goal) and self._rng.random() >= self.frozen_prob
-            )
-            if _path(n, holes, (0, 0), self.goal) is not None:
+        while True:  # draw the tiles, then start and goal over them, until a path joins the two
+            holes = {(r, c) for r in range(n) for c in range(n) if rng.random() >= self.frozen_prob}
+            if self.layout == "random":
+                start, goal = divmod(rng.randrange(n * n), n), divmod(rng.randrange(n * n), n)
+                if start == goal:
+                    continue
+            else:
+                start, goal = (0, 0), (n - 1, n - 1)
+            holes = frozenset(holes - {start, goal})
+            if _path(n, holes, start, goal) is not None:
                 break
-        self.holes, self.pos, self.steps = holes, (0, 0), 0
+        self.holes, self.start, self.goal, self.pos, self.steps = holes, start, goal, start, 0
         self._policy = None
         return self.render()
 

@@ -53,7 +53,7 @@ class Sokoban(Env):
         dim_room: tuple[int, int] = (6, 6),
         num_boxes: int = 1,
         max_steps: int = 100,
-        search_depth: int = 30,
+        search_depth: int = 300,
         symbols: Mapping[str, str] | None = None,
         tag: str | None = None,
     ) -> None:
@@ -62,7 +62,8 @@ class Sokoban(Env):
             dim_room: (rows, cols) including the outer wall; the paper uses (6, 6) and a (8, 8) variant.
             num_boxes: boxes (and targets) per room; the 8x8 variant uses 2.
             max_steps: the episode ends after this many env steps.
-            search_depth: length of the reverse-play walk that scatters the boxes (longer, harder rooms).
+            search_depth: depth bound of the reverse-play search (RAGEN's: 300 for 6x6, 10 for its 8x8/2-box
+                variant; smaller gives easier rooms).
             symbols: text vocabulary, a mapping with exactly the keys of ``DEFAULT_SYMBOLS``.
             tag: metrics tag (default ``Sokoban``).
         """
@@ -82,8 +83,6 @@ class Sokoban(Env):
             )
         self.rows, self.cols = int(dim_room[0]), int(dim_room[1])
         self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
-        #: Bound on the reverse search, so large rooms with many boxes stay fast.
-        self.max_search_states = 20_000
         self.symbols = _check_symbols(symbols)
         self._deltas = tuple(dr * self.cols + dc for dr, dc in _DIRECTIONS)
         self.fixed: list[int] = [WALL] * (self.rows * self.cols)
@@ -194,10 +193,54 @@ class Sokoban(Env):
 
     # --------------------------------------------------------- generation
     def _generate(self, rng: random.Random) -> bool:
+        """One try of RAGEN's generator (its gym-sokoban fork): topology, placement, reverse search, player walk.
+
+        Returns False when this topology gives no room (too little floor, or no box could be moved off its
+        target in up to four placements), and the caller draws again.
+        """
+        rows, cols = self.rows, self.cols
+        for _ in range(4):  # RAGEN's `tries`: a new topology and placement until some box is displaced
+            fixed = self._topology(rng)
+            floor = [i for i, k in enumerate(fixed) if k != WALL]
+            if len(floor) <= self.num_boxes + 1:
+                return False
+            player = rng.choice(floor)
+            free = [i for i in floor if i != player]
+            targets = []
+            for _ in range(self.num_boxes):
+                t = rng.choice(free)
+                free.remove(t)
+                targets.append(t)
+            for t in targets:
+                fixed[t] = TARGET
+            found = _reverse_search(fixed, cols, self._deltas, player, tuple(targets), self.search_depth)
+            if found is not None:
+                break
+        else:
+            return False
+        pos, boxes, displacement = found
+        # RAGEN then walks the player 1-3 steps away from the box it just pulled (more often when the box moved
+        # only one cell), so rooms do not all start with the player beside the box.
+        if rng.random() <= (0.8 if displacement == 1 else 0.5):
+            visited = [pos]
+            for step in range(3):
+                moves = [pos + d for d in self._deltas
+                         if fixed[pos + d] != WALL and pos + d not in boxes and pos + d not in visited]
+                if not moves:
+                    break
+                pos = rng.choice(moves)
+                visited.append(pos)
+                if step == 2 or rng.random() > 0.5:
+                    break
+        self.fixed, self.player, self.boxes = fixed, pos, set(boxes)
+        return True
+
+    def _topology(self, rng: random.Random) -> list[int]:
+        """gym-sokoban's room: a random walk of ``int(1.7 * (rows + cols))`` steps opening 3x3 masks of floor."""
         rows, cols = self.rows, self.cols
         fixed = [WALL] * (rows * cols)
-        r, c = rng.randrange(1, rows - 1), rng.randrange(1, cols - 1)
         dr, dc = rng.choice(_DIRECTIONS)
+        r, c = rng.randint(1, rows - 1), rng.randint(1, cols - 1)
         for _ in range(int(1.7 * (rows + cols))):
             if rng.random() < 0.35:
                 dr, dc = rng.choice(_DIRECTIONS)
@@ -209,49 +252,53 @@ class Sokoban(Env):
                     rr, cc = r + mr - 1, c + mc - 1
                     if mask[mr][mc] and 0 < rr < rows - 1 and 0 < cc < cols - 1:
                         fixed[rr * cols + cc] = FLOOR
-        floor = [i for i, k in enumerate(fixed) if k != WALL]
-        if len(floor) < 2 * self.num_boxes + 2:
-            return False
-        picks = rng.sample(floor, self.num_boxes + 1)
-        targets, player = picks[:-1], picks[-1]
-        for t in targets:
-            fixed[t] = TARGET
-        # Reverse play, exhaustively like gym-sokoban's search: breadth-first over (player, boxes) states reachable
-        # from the solved room by walking and pulling, up to `search_depth` reverse moves. The states whose boxes
-        # lie furthest from the targets are the candidates; one is drawn at random.
-        target_set = frozenset(targets)
-        start = (player, frozenset(targets))
-        seen = {start}
-        frontier = [start]
-        best_score, best = 0, []
-        for _ in range(self.search_depth):
-            nxt_frontier = []
-            for pos, boxes in frontier:
-                for d in self._deltas:
-                    nxt = pos + d
-                    if fixed[nxt] == WALL or nxt in boxes:
-                        continue
-                    states = [(nxt, boxes)]
-                    if pos - d in boxes:  # pull: the box follows the player into its old cell
-                        states.append((nxt, boxes - {pos - d} | {pos}))
-                    for state in states:
-                        if state in seen:
-                            continue
-                        seen.add(state)
-                        nxt_frontier.append(state)
-                        score = sum(min(_manhattan(b, t, cols) for t in target_set) for b in state[1])
-                        if score > best_score:
-                            best_score, best = score, [state]
-                        elif score == best_score and score > 0:
-                            best.append(state)
-            if not nxt_frontier or len(seen) > self.max_search_states:
-                break
-            frontier = nxt_frontier
-        if not best:
-            return False
-        pos, boxes = rng.choice(best)
-        self.fixed, self.player, self.boxes = fixed, pos, set(boxes)
-        return True
+        return fixed
+
+
+def _reverse_search(fixed: list[int], cols: int, deltas: tuple[int, ...], player: int, targets: tuple[int, ...],
+                    search_depth: int, max_states: int = 300_000) -> tuple[int, tuple[int, ...], int] | None:
+    """RAGEN's reverse play: depth-first from the solved room, the player walking and pulling boxes.
+
+    Every reverse move has a forward inverse (walk back, or push), so each state reached is solvable. The search
+    keeps the first state, in depth-first order (pulls Up, Down, Left, Right), with the highest score
+    ``box_swaps * displacement``: ``displacement`` is the total Manhattan distance of the boxes from their own
+    targets, ``box_swaps`` counts switches of the pulled box (the first pull counts). A state scores 0 unless every
+    target is uncovered (no box and no player on one), so no box starts on a target. ``search_depth`` bounds the
+    depth as RAGEN's ``ttl`` does (nodes deeper than ``search_depth - 2`` moves are not expanded), and states are
+    never revisited. Returns (player, boxes, displacement) or None when no box could be displaced.
+    """
+    explored: set = set()
+    n = len(targets)
+    best: list = [-1, player, targets, 0]
+
+    def visit(pos: int, boxes: tuple[int, ...], pulled: tuple[bool, ...], swaps: int, last: int, ttl: int) -> None:
+        ttl -= 1
+        if ttl <= 0 or len(explored) >= max_states:
+            return
+        key = (pos, frozenset(zip(boxes, pulled)))  # as RAGEN hashes its grid: box identities are not part of it
+        if key in explored:
+            return
+        explored.add(key)
+        displacement = sum(abs(b // cols - t // cols) + abs(b % cols - t % cols) for b, t in zip(boxes, targets))
+        covered = sum(t == pos or t in boxes for t in targets)
+        score = swaps * displacement if covered == 0 else 0
+        if score > best[0]:
+            best[:] = [score, pos, boxes, displacement]
+        for d in deltas:
+            nxt = pos + d
+            if fixed[nxt] == WALL or nxt in boxes:
+                continue
+            if pos - d in boxes:  # pull: the box behind the player follows it into its old cell
+                i = boxes.index(pos - d)
+                visit(nxt, boxes[:i] + (pos,) + boxes[i + 1:], pulled[:i] + (True,) + pulled[i + 1:],
+                      swaps + (i != last), i, ttl)
+            else:
+                visit(nxt, boxes, pulled, swaps, last, ttl)
+
+    visit(player, targets, (False,) * n, 0, -1, search_depth)
+    if best[3] == 0:
+        return None
+    return best[1], best[2], best[3]
 
 
 def _manhattan(a: int, b: int, cols: int) -> int:

@@ -49,6 +49,9 @@ class RolloutConfig:
     """Actions executed from one answer; extra actions are ignored."""
     max_actions_per_episode: int = 10
     """Actions per trajectory across all turns."""
+    count_invalid_actions: bool = False
+    """Whether invalid actions use up ``max_actions_per_episode``. RAGEN drops them before counting (false);
+    they still get the format penalty either way."""
     think: bool = True
     """Ask for ``<think>...</think><answer>...</answer>``; false asks for ``<answer>`` only."""
     format_penalty: float = -0.1
@@ -349,19 +352,21 @@ class Collector:
         parsed = parse_answer(text, think=c.think, max_actions=c.max_actions_per_turn)
         timings["tokenize"] += time.perf_counter() - t0
         ep.turns += 1
-        budget = c.max_actions_per_episode - ep.actions
         reward, penalised = 0.0, not parsed.format_ok
         executed: list[str] = []
         t0 = time.perf_counter()
         try:
             with _time_limit(c.step_timeout_s):
-                for action in parsed.actions[:budget]:
+                for action in parsed.actions:
+                    if ep.actions >= c.max_actions_per_episode:
+                        break
                     obs, r, done, info = ep.env.step(action)
                     _checked_observation(obs, "step")
                     if not isinstance(r, numbers.Real) or not math.isfinite(r):
                         raise ValueError(f"reward must be a finite number, got {r!r}")
-                    ep.actions += 1
-                    if not info.get("action_is_valid", True):
+                    valid = bool(info.get("action_is_valid", True))
+                    ep.actions += valid or c.count_invalid_actions
+                    if not valid:
                         penalised = True  # an invalid action: no env step, format penalty
                         continue
                     executed.append(action)
@@ -385,7 +390,8 @@ class Collector:
         last = chat.last_sampled()
         ep.rewards[last] = ep.rewards.get(last, 0.0) + turn_reward
         ep.transcript.append({"role": "model", "text": chat.open_tag + text, "actions": executed,
-                              "reward": turn_reward, "format_ok": parsed.format_ok})
+                              "answered": parsed.actions, "think": parsed.think, "reward": turn_reward,
+                              "format_ok": parsed.format_ok})
         ep.transcript.append({"role": "env", "observation": obs})
         if ep.actions >= c.max_actions_per_episode or turn == c.max_turns - 1:
             ep.done = True

@@ -45,3 +45,16 @@ def test_single_turn_and_invalid():
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Bandit(**kwargs)
+
+
+def test_ragen_wording_hints_at_the_names():
+    env = Bandit()
+    env.reset(1)
+    a, b = env._order
+    text = env.instructions
+    assert f"1. There are 2 arms, named {a} and {b}" in text
+    assert "related to their names" in text and "symbolic meaning" in text
+    assert f"<answer> {a} </answer> or <answer> {b} </answer>" in text
+    neutral = Bandit(symbolic_hint=False)
+    neutral.reset(1)
+    assert "symbolic" not in neutral.instructions and "names" not in neutral.instructions

@@ -13,7 +13,8 @@ def test_every_map_has_a_path_and_render_symbols():
     for seed in range(300):
         obs = env.reset(seed)
         rows = obs.splitlines()
-        assert rows[0][0] == "P" and rows[-1][-1] == "G" and len(rows) == 6
+        (sr, sc), (gr, gc) = env.start, env.goal
+        assert rows[sr][sc] == "P" and rows[gr][gc] == "G" and len(rows) == 6
         assert set(obs) <= set("P_OG\n")
         assert shortest_path(env) is not None
 
@@ -26,11 +27,11 @@ def test_not_slippery_follows_shortest_path_to_goal():
         for i, action in enumerate(plan):
             obs, reward, done, info = env.step(action)
             assert done == (i == len(plan) - 1)
-        assert reward == 1.0 and info["success"] and obs.splitlines()[-1][-1] == "√"
+        assert reward == 1.0 and info["success"] and obs.splitlines()[env.goal[0]][env.goal[1]] == "√"
 
 
 def test_hole_ends_episode_with_x():
-    env = FrozenLake(slippery=False)
+    env = FrozenLake(slippery=False, layout="corners")
     for seed in range(200):
         env.reset(seed)
         if (0, 1) in env.holes:
@@ -42,7 +43,7 @@ def test_hole_ends_episode_with_x():
 
 def test_slip_frequencies():
     """Intended move 1/3, each perpendicular move 1/3, never backwards (binomial 5-sigma bounds)."""
-    env = FrozenLake(size=5, frozen_prob=1.0)
+    env = FrozenLake(size=5, frozen_prob=1.0, layout="corners")
     counts = {"Down": 0, "Left": 0, "Right": 0, "Up": 0}
     n = 6000
     for i in range(n):
@@ -61,11 +62,11 @@ def test_value_iteration_success_probabilities():
     env = FrozenLake(slippery=False)
     env.reset(0)
     values, policy = value_iteration(env)
-    assert values[(0, 0)] == pytest.approx(1.0)  # deterministic moves: a path exists, so success is certain
+    assert values[env.start] == pytest.approx(1.0)  # deterministic moves: a path exists, so success is certain
     slippery = FrozenLake(slippery=True, frozen_prob=1.0)
     slippery.reset(0)
     values, _ = value_iteration(slippery)
-    assert values[(0, 0)] == pytest.approx(1.0, abs=1e-6)  # no holes: the goal is reached eventually
+    assert values[slippery.start] == pytest.approx(1.0, abs=1e-6)  # no holes: the goal is reached eventually
 
 
 def test_invalid_action():
@@ -86,3 +87,28 @@ def test_invalid_action():
 def test_bad_config(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         FrozenLake(**kwargs)
+
+
+def test_ragen_layout_random_start_and_goal():
+    """RAGEN draws start and goal at random on each map: mean shortest path 2.78 moves on 4x4 (issue 11)."""
+    from ragen_pl.envs.frozen_lake import _path
+
+    env = FrozenLake()
+    starts, goals, lengths = set(), set(), []
+    for seed in range(2000):
+        env.reset(seed)
+        assert env.pos == env.start != env.goal and env.start not in env.holes and env.goal not in env.holes
+        starts.add(env.start)
+        goals.add(env.goal)
+        lengths.append(len(_path(env.size, env.holes, env.start, env.goal)) - 1)
+    assert len(starts) == len(goals) == 16  # every tile can be either
+    assert abs(sum(lengths) / len(lengths) - 2.78) < 0.15
+
+
+def test_corners_layout_is_gymnasiums():
+    env = FrozenLake(layout="corners")
+    for seed in range(50):
+        env.reset(seed)
+        assert (env.start, env.goal) == ((0, 0), (3, 3))
+    with pytest.raises(ValueError, match=r"`layout` must be 'random' or 'corners', got 'middle'"):
+        FrozenLake(layout="middle")  # type: ignore[arg-type]

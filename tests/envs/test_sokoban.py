@@ -120,3 +120,22 @@ def test_other_symbols_variant_is_a_config():
 def test_bad_config_names_the_field(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Sokoban(**kwargs)
+
+
+@pytest.mark.parametrize("dims, boxes, depth, ragen_mean", [((6, 6), 1, 300, 3.98), ((8, 8), 2, 10, 5.84)])
+def test_difficulty_matches_ragen(dims, boxes, depth, ragen_mean):
+    """RAGEN's generator, measured on its own code (issue 11): mean optimal solution 3.98 moves for 6x6 / 1 box and
+    5.84 for its 8x8 / 2-box variant (search depth 10); no room starts with a box on a target."""
+    from ragen_pl.envs.sokoban import TARGET, solve
+
+    env = Sokoban(dim_room=dims, num_boxes=boxes, search_depth=depth)
+    lengths = []
+    for seed in range(500):
+        env.reset(seed)
+        assert not any(env.fixed[b] == TARGET for b in env.boxes), seed
+        plan = solve(env)
+        assert plan, seed  # solvable by construction
+        lengths.append(len(plan))
+    mean = sum(lengths) / len(lengths)
+    assert abs(mean - ragen_mean) < 0.2, mean
+    assert sum(n <= 10 for n in lengths) / len(lengths) >= 0.98

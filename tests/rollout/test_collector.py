@@ -89,12 +89,29 @@ def test_rewards_penalties_and_budgets(tiny):
     # turn 1: unparsable -> -0.1, no step.  turn 2: Down (-0.1).
     turn_rewards = [t["reward"] for t in ep.transcript if t["role"] == "model"]
     assert turn_rewards == pytest.approx([-0.3, -0.1, -0.1])
-    assert ep.actions == 4 and ep.valid_actions == 3 and ep.format_errors == 2 and ep.turns == 3
+    # Jump is invalid: dropped before counting against the episode budget, as RAGEN does.
+    assert ep.actions == 3 and ep.valid_actions == 3 and ep.format_errors == 2 and ep.turns == 3
     ends = batch.turn_ends[0]
     assert int(ends.sum()) == 3
     torch.testing.assert_close(batch.rewards[0][ends], torch.tensor([-0.3, -0.1, -0.1]))
     assert float(batch.rewards[0][~ends].abs().sum()) == 0.0
     assert env.actions == Sokoban.actions
+
+
+@pytest.mark.parametrize("count_invalid", [False, True])
+def test_invalid_actions_and_the_episode_budget(tiny, count_invalid):
+    """Budget 3; each answer has 2 invalid actions and 1 valid one. RAGEN (not counting invalid ones) plays 3 valid
+    actions over 3 turns; counting them, the budget runs out after the first answer's 3 actions."""
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>Jump || Fly || Left</answer>")
+    config = RolloutConfig(max_turns=4, max_actions_per_turn=5, max_actions_per_episode=3,
+                           count_invalid_actions=count_invalid)
+    ep = Collector(engine, tok, config).collect([EpisodeSpec(Sokoban(), seed=3, group_id=0)]).episodes[0]
+    if count_invalid:
+        assert (ep.actions, ep.valid_actions, ep.turns) == (3, 1, 1)
+    else:
+        assert (ep.actions, ep.valid_actions, ep.turns) == (3, 3, 3)
+    assert ep.format_errors == ep.turns  # every turn had an invalid action: penalised either way
 
 
 def test_last_turn_placement_and_action_budget(tiny):
