@@ -3,7 +3,8 @@
 ``ragen-pl fit | validate | test`` run StarPO through LightningCLI (``--config configs/sokoban.yaml``,
 ``--print_config``). ``ragen-pl plugins`` lists every discovered plugin; ``ragen-pl play`` plays an env with a
 random or expert (solver) policy; ``ragen-pl tiny`` builds the embedded tiny model; ``ragen-pl demos`` and
-``ragen-pl sft`` make and train on supervised trajectories; ``ragen-pl report`` draws training curves.
+``ragen-pl sft`` make and train on supervised trajectories; ``ragen-pl report`` draws training curves;
+``ragen-pl export`` writes a checkpoint's policy as a Hugging Face folder.
 
 Plugins are loaded before any config is parsed, so a config can name a component by its class path, its class name
 (``GRPO``) or its entry name (``grpo``).
@@ -116,7 +117,7 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from ragen_pl.sft import read_jsonl, sft
-    from ragen_pl.tiny import resolve_model
+    from ragen_pl.models import resolve_model
 
     try:
         records = read_jsonl(args.data)
@@ -151,6 +152,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
     print(f"wrote {', '.join(FIGURES)} and trajectories.html to {args.out}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ragen_pl.errors import ConfigError
+    from ragen_pl.export import export
+
+    try:
+        out = export(args.checkpoint, args.out)
+    except (OSError, ConfigError) as err:
+        raise SystemExit(f"error: {err}") from None
+    print(f"exported the policy of {args.checkpoint} to {out} (loads with AutoModelForCausalLM.from_pretrained)")
     return 0
 
 
@@ -189,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demos)
+    p = sub.add_parser("export", help="the trained policy of a checkpoint as a Hugging Face folder (LoRA merged)")
+    p.add_argument("checkpoint", metavar="CKPT", help="a .ckpt file, or the folder of a sharded (FSDP) checkpoint")
+    p.add_argument("--out", required=True, help="folder to write the model and tokenizer to")
+    p.set_defaults(func=_cmd_export)
     p = sub.add_parser("report", help="PNG training curves (runs overlaid) and an HTML trajectory viewer")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="CSV logger run folders (with metrics.csv)")
     p.add_argument("--out", default="report", help="output folder (default: report)")

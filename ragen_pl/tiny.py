@@ -135,13 +135,6 @@ def warm_start_rollout():
     return RolloutConfig(max_turns=4, max_actions_per_turn=3, max_actions_per_episode=10, max_new_tokens=32)
 
 
-def resolve_model(name: str) -> str:
-    """``ragen-pl/tiny`` -> the folder of the warm-started tiny model (built on first use); anything else as is."""
-    if name == TINY_MODEL_ID:
-        return str(build_warm_tiny_model())
-    return name
-
-
 def build_warm_tiny_model(config: TinyConfig | None = None, steps: int = 400, episodes: int = 150,
                           overwrite: bool = False) -> Path:
     """The tiny model after a short SFT warm start on random legal play (format and action names, no skill)."""

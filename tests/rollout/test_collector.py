@@ -46,15 +46,21 @@ def test_update_sequence_is_exactly_what_was_fed_and_sampled(tiny):
     config = RolloutConfig(max_turns=3, max_new_tokens=10)
     specs = [EpisodeSpec(Sokoban(), seed=s, group_id=s) for s in range(6)]
     result = Collector(engine, tok, config).collect(specs)
+    assert_exact_accounting(engine, result)
+
+
+def assert_exact_accounting(engine: Recording, result) -> None:
+    """Every update row is exactly the prompts fed and the tokens sampled (never re-tokenised), and the loss mask
+    is true on exactly the sampled tokens, turn by turn."""
     batch = result.batch
     # Follow each trajectory through the engine calls (live envs keep their order in every call).
-    live = list(range(len(specs)))
+    live = list(range(len(result.episodes)))
     pieces = {i: [] for i in live}
     for prompts, gens in engine.calls:
         assert len(prompts) == len(live)
         for i, p, g in zip(live, prompts, gens):
             pieces[i].append((p, g))
-        live = [i for i in range(len(specs)) if len(pieces[i]) < result.episodes[i].turns]
+        live = [i for i in range(len(result.episodes)) if len(pieces[i]) < result.episodes[i].turns]
     for b, ep in enumerate(result.episodes):
         ids = batch.input_ids[b][batch.attention_mask[b]].tolist()
         mask = batch.loss_mask[b][batch.attention_mask[b]].tolist()

@@ -1,0 +1,77 @@
+"""`ragen-pl export`: a checkpoint's policy as a Hugging Face folder whose log-probs are the checkpoint's (issue 12)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from ragen_pl.checkpoint import RunCheckpoint
+from ragen_pl.cli import main
+from ragen_pl.data import RolloutDataModule
+from ragen_pl.envs.bandit import Bandit
+from ragen_pl.filters import NoFilter
+from ragen_pl.module import LoraSettings, OptimConfig, PPOConfig, RagenModule
+from ragen_pl.rollout.collector import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
+def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
+    if lora is not None:
+        pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ragen-pl[peft]')")
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4), lora=lora,
+                         optim=OptimConfig(actor_lr=1e-2, critic_lr=1e-2))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+    trainer = pl.Trainer(max_steps=2, logger=False, enable_progress_bar=False, limit_val_batches=0,
+                         default_root_dir=tmp_path, callbacks=[RunCheckpoint(dirpath=tmp_path / "ckpt")])
+    trainer.fit(module, dm)
+    assert main(["export", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert "exported the policy" in capsys.readouterr().out
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([tok("Turn 1:\nState:\n#_P_#")["input_ids"]])
+    module.policy.eval()
+    torch.testing.assert_close(_logprobs(exported, ids), _logprobs(module.policy, ids), atol=1e-5, rtol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    assert not torch.allclose(_logprobs(base, ids), _logprobs(exported, ids))  # the training is in the export
+
+
+def test_export_errors_are_one_line(tmp_path):
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"^error: checkpoint .*empty\.ckpt is empty"):
+        main(["export", str(tmp_path / "empty.ckpt"), "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.slow
+def test_export_of_a_sharded_fsdp2_checkpoint(tiny_model_path, tmp_path):
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml"),
+            "--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml"), f"--model.model={tiny_model_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1", "--trainer.precision=32-true",
+            "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--data.n_groups=2", "--data.group_size=2",
+            "--data.rollout.max_new_tokens=4", "--data.rollout.max_turns=1", "--model.ppo.mini_batch_size=2",
+            "--model.ppo.micro_batch_size=1", "--torch_threads=1"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = next(tmp_path.rglob("last.ckpt"))
+    assert sharded.is_dir()
+    assert main(["export", str(sharded), "--out", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert sum(p.numel() for p in model.parameters()) > 0
