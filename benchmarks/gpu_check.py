@@ -149,7 +149,8 @@ def fit(path: Path, work: Path, name: str, steps: int, device: str, n_params: in
         print(f"--- {name} failed (exit {proc.returncode}):\n{tail}", flush=True)
         return {"wall": wall, "failed": 1.0}
     files = sorted(save_dir.glob("*/version_*/metrics.csv"))
-    rows = [r for r in csv.DictReader(open(files[-1])) if r.get("time/update")]
+    with open(files[-1]) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("time/update")]
     steady = rows[1:] or rows  # the first iteration includes CUDA warm-up
 
     def med(key: str) -> float:

@@ -116,8 +116,8 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from ragen_pl.sft import read_jsonl, sft
     from ragen_pl.models import resolve_model
+    from ragen_pl.sft import read_jsonl, sft
 
     try:
         records = read_jsonl(args.data)

@@ -198,7 +198,7 @@ class Sokoban(Env):
         Returns False when this topology gives no room (too little floor, or no box could be moved off its
         target in up to four placements), and the caller draws again.
         """
-        rows, cols = self.rows, self.cols
+        cols = self.cols
         for _ in range(4):  # RAGEN's `tries`: a new topology and placement until some box is displaced
             fixed = self._topology(rng)
             floor = [i for i, k in enumerate(fixed) if k != WALL]
