@@ -81,6 +81,8 @@ def engine_rates(path: Path, device: str, n_prompts: int, new_tokens: int) -> di
     ids, attn = ids.to(device), attn.to(device)
     engine = HFEngine(seed=0)
     engine.bind(model, tok)
+    eager = HFEngine(seed=0, cuda_graphs=False)
+    eager.bind(model, tok)
 
     def timed(fn) -> float:
         if device == "cuda":
@@ -94,6 +96,9 @@ def engine_rates(path: Path, device: str, n_prompts: int, new_tokens: int) -> di
     def hf() -> int:
         return sum(len(x.token_ids) for x in engine.generate(prompts, params))
 
+    def hf_eager() -> int:
+        return sum(len(x.token_ids) for x in eager.generate(prompts, params))
+
     def bare() -> int:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_p=1.0,
@@ -101,12 +106,16 @@ def engine_rates(path: Path, device: str, n_prompts: int, new_tokens: int) -> di
                                  pad_token_id=tok.pad_token_id)
         return (out.shape[1] - width) * n_prompts
 
-    rates: dict[str, list[float]] = {"hf engine": [], "model.generate": []}
-    hf(), bare()  # warm-up (allocator, kernels)
+    runs = {"hf engine": hf, "hf, eager loop": hf_eager, "model.generate": bare}
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()  # warm-up (allocator, kernels)
     for _ in range(2):
-        rates["hf engine"].append(timed(hf))
-        rates["model.generate"].append(timed(bare))
+        for name, fn in runs.items():
+            rates[name].append(timed(fn))
     result = {k: statistics.median(v) for k, v in rates.items()}
+    if engine._graphs_failed:
+        print("  (the hf engine fell back to its eager loop: CUDA-graph capture failed, see the warning)")
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -196,8 +205,9 @@ def main() -> None:
 
     print(f"device: {name}; torch {torch.__version__}, lightning {lightning.__version__}, transformers "
           f"{transformers.__version__}; model {args.shape} ({n_params / 1e6:.0f}M parameters, random weights)")
-    rates = engine_rates(path, device, args.prompts if device == "cuda" else 8, args.new_tokens if device == "cuda" else 8)
-    print(f"\nrollout engines, {args.prompts} prompts x {args.new_tokens} new tokens, bf16:")
+    n_prompts, new_tokens = (args.prompts, args.new_tokens) if device == "cuda" else (8, 8)
+    rates = engine_rates(path, device, n_prompts, new_tokens)
+    print(f"\nrollout engines, {n_prompts} prompts x {new_tokens} new tokens, {'bf16' if device == 'cuda' else 'fp32'}:")
     for k, v in rates.items():
         print(f"  {k:<16}{v:>10.0f} tokens/s" if v == v else f"  {k:<16}{'n/a':>10} (not installed)")
     print(f"  hf / generate   {rates['hf engine'] / rates['model.generate']:>10.2f}", flush=True)

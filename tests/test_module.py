@@ -187,3 +187,28 @@ def test_training_with_a_context_window(tiny_model_path, advantage):
     for b in range(len(batch)):
         if b not in last_rows:
             assert float(batch.rewards[b].abs().sum()) == 0.0
+
+
+def test_bf16_mixed_later_mini_batches_see_the_updated_weights(tiny_model_path, monkeypatch):
+    """All of training_step runs inside one autocast region. A caching autocast (torch's default) would keep the
+    bf16 copy of each weight from the first forward, and every later mini-batch of the iteration would run with the
+    weights of its start (PPO ratio exactly 1, clipping never engaged). Lightning's bf16-mixed turns the cache off;
+    this guards that the update keeps seeing its own steps."""
+    import ragen_pl.module as module_py
+
+    seen = []
+    real = module_py.policy_loss
+
+    def recording(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
+        seen.append(float((logprobs - old_logprobs)[mask].abs().max()))
+        return real(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(module_py, "policy_loss", recording)
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(scale="none"),
+                         ppo=PPOConfig(mini_batch_size=2, micro_batch_size=2, entropy_coeff=0.01),
+                         optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+    trainer(1, precision="bf16-mixed", accelerator="cpu").fit(module, dm)
+    assert len(seen) == 2  # two mini-batches of one micro-batch
+    assert seen[1] > 0  # the second mini-batch is scored with the weights after the first step

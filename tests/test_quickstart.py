@@ -28,5 +28,5 @@ def test_quickstart_learns_bandit(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     bandit = [(int(r["step"]), float(r["val/Bandit/success"])) for r in rows if r.get("val/Bandit/success")]
     assert bandit[0][0] == 0 and bandit[-1][0] >= 19
-    assert 0.2 <= bandit[0][1] <= 0.8, bandit  # the warm start picks arms about at random
-    assert bandit[-1][1] >= 0.9, bandit  # StarPO-S learned to pick the high-risk arm
+    assert bandit[0][1] <= 0.85, bandit  # the warm start does not know the better arm (0.27-0.69 over 5 seeds)
+    assert bandit[-1][1] >= 0.9, bandit  # StarPO-S learned to pick the high-risk arm (0.98-1.00 over 5 seeds)

@@ -82,3 +82,14 @@ def test_one_starpo_step_changes_the_policy(smollm2, tmp_path):
     assert torch.isfinite(metrics["loss/policy"]) and float(metrics["train/optimizer_steps"]) == 1
     changed = [k for k, v in module.policy.named_parameters() if not torch.equal(v.detach(), before[k])]
     assert len(changed) == len(before)  # every parameter moved
+
+
+def test_static_cache_decoding_with_llama_architecture(smollm2):
+    """The CUDA-graph decode path's static cache and 4D masks also fit SmolLM2's Llama architecture."""
+    from tests.rollout.test_hf import assert_static_matches_eager
+
+    _, model, tok = smollm2
+    prompts = [tok.apply_chat_template([{"role": "user", "content": "Count: " + "one " * k}], add_generation_prompt=True)
+               for k in (1, 6, 3)]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    assert_static_matches_eager(model, tok, prompts)

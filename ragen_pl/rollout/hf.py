@@ -11,6 +11,8 @@ Under FSDP every rank must run the same number of forward passes (each all-gathe
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -49,15 +51,20 @@ class HFEngine(RolloutEngine):
     shares_policy = True
     """Samples with the trained policy's own modules (no weight sync; re-bound if the strategy wraps the policy)."""
 
-    def __init__(self, seed: int = 0, sync_ranks: bool | None = None) -> None:
+    def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True) -> None:
         """
         Args:
             seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
             sync_ranks: keep every rank stepping until all are done (needed when parameters are sharded);
                 ``None`` turns it on whenever torch.distributed is initialised.
+            cuda_graphs: on a CUDA device (and unsharded), decode with a static KV cache and the step replayed as a
+                CUDA graph (:mod:`ragen_pl.rollout.static`); falls back to the eager loop, with a warning, if the
+                model cannot be captured.
         """
         self.seed = seed
         self.sync_ranks = sync_ranks
+        self.cuda_graphs = cuda_graphs
+        self._graphs_failed = False
         self.model: nn.Module | None = None
         self.tokenizer = None
         self.generator: torch.Generator | None = None
@@ -112,9 +119,61 @@ class HFEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
+            if self.cuda_graphs and device.type == "cuda" and not sync and prompts and not self._graphs_failed:
+                try:
+                    return self._generate_static(model, tok, prompts, params, device, capture=True)
+                except Exception as err:  # noqa: BLE001 - an uncapturable model still samples, only slower
+                    self._graphs_failed = True
+                    warnings.warn(f"HFEngine: CUDA-graph decoding is off for this run ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}); using the eager loop",
+                                  stacklevel=2)
             return self._generate(model, tok, prompts, params, device, sync)
         finally:
             model.train(was_training)
+
+    def _left_padded(self, tok, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+        """(n, width) ids and attention mask, left-padded: every row's newest token sits in the last column."""
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        return input_ids.to(device), attention.to(device)
+
+    def _generate_static(self, model, tok, prompts, params, device, capture: bool) -> list[Generation]:
+        """Static KV cache, all rows stepping together (finished ones ignored), optionally as a CUDA graph."""
+        from ragen_pl.rollout.static import StaticDecoder
+
+        n = len(prompts)
+        generator = self._generator(device)
+        input_ids, attention = self._left_padded(tok, prompts, device)
+        decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str] = ["length"] * n
+        live = set(range(n))
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
+        stops = [s for s in params.stop if s]
+        logits = decoder.first_logits
+        for step in range(params.max_new_tokens):
+            ids, lps = sample_next(logits, params, generator)
+            ids_l, lps_l = ids.tolist(), lps.tolist()
+            for i in sorted(live):
+                tokens[i].append(ids_l[i])
+                logprobs[i].append(lps_l[i])
+                if ids_l[i] in eos:
+                    reasons[i] = "eos"
+                elif stops and _ends_with_stop(tok, tokens[i], stops):
+                    reasons[i] = "stop"
+                else:
+                    continue
+                live.discard(i)
+            if not live or step == params.max_new_tokens - 1:
+                break
+            logits = decoder.step(ids)
+        return [Generation(tokens[i], logprobs[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
@@ -130,18 +189,11 @@ class HFEngine(RolloutEngine):
         logprobs: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str] = ["length"] * n
         rows = list(range(n))  # prompt index of each live row
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
         stops = [s for s in params.stop if s]
         cache = DynamicCache()
         if n:
-            width = max(len(p) for p in prompts)
-            input_ids = torch.full((n, width), pad, dtype=torch.long)
-            attention = torch.zeros((n, width), dtype=torch.long)
-            for i, p in enumerate(prompts):  # left padding: every row's newest token sits in the last column
-                input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-                attention[i, width - len(p):] = 1
-            input_ids, attention = input_ids.to(device), attention.to(device)
+            input_ids, attention = self._left_padded(tok, prompts, device)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                         past_key_values=cache, use_cache=True, logits_to_keep=1)

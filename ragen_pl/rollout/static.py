@@ -1,0 +1,131 @@
+"""The fast decode path of the ``hf`` engine on a GPU: a pre-allocated KV cache and the decode step as a CUDA graph.
+
+A 0.5B model's decode step is a few hundred small kernels; launched one by one from Python it costs tens of
+milliseconds, while the GPU needs well under one. Replaying the step as one captured CUDA graph removes that launch
+cost. A graph fixes every shape and address, so:
+
+* the KV cache is allocated once per ``generate`` call for ``width + max_new_tokens`` columns (:class:`StaticKV`),
+  and each step writes one column, the same for every row (prompts are left-padded to a common width);
+* the attention mask is a boolean 4D ``(B, 1, 1, L)`` tensor handed to the model ready-made (transformers returns a
+  4D mask as it is and builds none), and each step flips one column of it on;
+* rows that finish keep decoding (their tokens are ignored): in the decode regime the step costs about the same for
+  fewer rows, and a smaller batch would need a new graph.
+
+Sampling stays outside the graph (the same :func:`ragen_pl.rollout.hf.sample_next`), so it is identical to the
+eager path's. With ``capture=False`` the same static-cache loop runs eagerly, which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class StaticKV:
+    """A pre-allocated KV cache with the one method transformers' attention calls: ``update``.
+
+    Prefill (several query tokens) writes columns ``0..q-1``; a decode step (one query token) writes column
+    ``self.column``, a device tensor the caller advances in place, so a captured graph reads the current value.
+    Buffers are made at the first update of each layer, with that layer's dtype, heads and device.
+    """
+
+    is_compileable = True
+
+    def __init__(self, length: int, device: torch.device) -> None:
+        self.length = length
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.keys: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+        self._seen = 0
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None):
+        if layer_idx not in self.keys:
+            b, h, _, d = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros(b, h, self.length, d)
+            self.values[layer_idx] = value_states.new_zeros(b, h, self.length, value_states.shape[-1])
+        q = key_states.shape[2]
+        index = self.column if q == 1 else torch.arange(q, device=key_states.device)
+        self.keys[layer_idx].index_copy_(2, index, key_states)
+        self.values[layer_idx].index_copy_(2, index, value_states)
+        if layer_idx == 0:
+            self._seen = q if q > 1 else self._seen + 1
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.length, 0
+
+
+class StaticDecoder:
+    """One ``generate`` call's prefill and decode steps over a :class:`StaticKV`, optionally graph-captured."""
+
+    def __init__(self, model: nn.Module, input_ids: Tensor, attention: Tensor, max_new_tokens: int,
+                 capture: bool) -> None:
+        n, width = input_ids.shape
+        device = input_ids.device
+        self.model, self.width = model, width
+        self.kv = StaticKV(width + max_new_tokens, device)
+        keys = torch.arange(width + max_new_tokens, device=device)
+        first = width - attention.sum(-1, keepdim=True)  # (n, 1) first real column of each left-padded row
+        # Prefill mask (n, 1, width, L): a query at column j sees the row's real keys up to j. A padding query sees
+        # itself, so that no softmax row is empty (NaN); no real query ever sees a padding key.
+        queries = torch.arange(width, device=device)[:, None]
+        prefill_mask = (keys[None, :] <= queries) & (keys[None, :] >= first[:, :, None])
+        prefill_mask = (prefill_mask | (keys[None, :] == queries))[:, None]
+        self.mask = (keys >= first) & (keys < width)  # (n, L) decode mask: the prompt so far
+        self.positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=prefill_mask,
+                    position_ids=self.positions, past_key_values=self.kv, use_cache=True, logits_to_keep=1)
+        self.first_logits = out.logits[:, -1]
+        # Static inputs of the decode step, updated in place before each step.
+        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)
+        self.pos = self.positions[:, -1:].clone()
+        self.step_mask = self.mask[:, None, None, :]  # a view: flipping self.mask updates what the graph reads
+        self.column = width - 1  # the cache column last written (a Python copy of kv.column: no host sync)
+        self.kv.column.fill_(self.column)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None
+        if capture:
+            self._capture()
+
+    def _forward(self) -> Tensor:
+        out = self.model(input_ids=self.ids, attention_mask=self.step_mask,
+                         position_ids=self.pos, past_key_values=self.kv, use_cache=True)
+        return out.logits[:, -1]
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (allocator and kernel choices settle), then capture one step. The warm-up
+        # steps write cache column `width`, which the first real step overwrites.
+        self._advance_to(self.width)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        self.mask[:, self.width] = False  # the real first step turns it on again
+        self.kv.column.fill_(self.column)
+
+    def _advance_to(self, column: int) -> None:
+        self.kv.column.fill_(column)
+        self.mask[:, column] = True
+
+    def step(self, ids: Tensor) -> Tensor:
+        """Feed one sampled token per row (n,); return the next logits (n, V)."""
+        self.ids.copy_(ids[:, None])
+        self.pos.add_(1)
+        self.column += 1
+        self._advance_to(self.column)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+
+__all__ = ["StaticDecoder", "StaticKV"]
