@@ -8,7 +8,7 @@ Part 2, distributions: the optimal-solution length over fixed seeds (Sokoban by 
 the shortest path of frozen tiles) as mean and histogram, and the success of a uniformly random policy within the
 paper's 10-action budget, printed next to what RAGEN's own env code gives (measured on RAGEN v1 for issue 11).
 
-    python benchmarks/envs.py [--episodes 3000] [--rooms 500]
+    python benchmarks/envs.py [--episodes 3000] [--rooms 1000]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def optimal_lengths(env, rooms: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=3000)
-    parser.add_argument("--rooms", type=int, default=500)
+    parser.add_argument("--rooms", type=int, default=1000)
     args = parser.parse_args()
     cases = [
         ("sokoban 6x6 1 box", Sokoban(), list(Sokoban.actions)),
