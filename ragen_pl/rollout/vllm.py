@@ -36,6 +36,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_gib_cpu: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """
         Args:
@@ -45,12 +46,16 @@ class VLLMEngine(RolloutEngine):
             max_model_len: context length; defaults to the model's.
             seed: sampling seed.
             kv_cache_gib_cpu: KV cache size on the CPU backend (sets ``VLLM_CPU_KVCACHE_SPACE`` if unset).
+            tensor_parallel_size: GPUs one vLLM instance shards the model over.
         """
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"`engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}")
         self.gpu_memory_utilization, self.dtype = gpu_memory_utilization, dtype
         self.enable_sleep_mode, self.max_model_len, self.seed = enable_sleep_mode, max_model_len, seed
         self.kv_cache_gib_cpu = kv_cache_gib_cpu
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"`engine.tensor_parallel_size` must be an integer >= 1, got {tensor_parallel_size!r}")
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = None
         self.tokenizer = None
 
@@ -68,7 +73,8 @@ class VLLMEngine(RolloutEngine):
         if not path:
             raise ValueError("the vllm engine needs a policy loaded with from_pretrained (its checkpoint path)")
         kwargs = dict(model=path, dtype=self.dtype, seed=self.seed, enable_sleep_mode=self.enable_sleep_mode,
-                      gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs")
+                      gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                      tensor_parallel_size=self.tensor_parallel_size)
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         self.llm = vllm.LLM(**kwargs)

@@ -19,6 +19,26 @@ def test_engine_is_registered_without_importing_vllm():
     assert registry.get("rollout_engines", "hf") is HFEngine
 
 
+def test_engine_settings_are_checked_and_passed_to_vllm(tiny, monkeypatch):
+    """Memory share, sleep mode and tensor parallelism reach vllm.LLM (checked with a stand-in; no vLLM needed)."""
+    import sys
+    import types
+
+    from ragen_pl.rollout.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"`engine.tensor_parallel_size` must be an integer >= 1, got 0"):
+        VLLMEngine(tensor_parallel_size=0)
+    seen = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kwargs: seen.update(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    model, tok = tiny
+    monkeypatch.setattr(model.config, "_name_or_path", "/some/folder")
+    VLLMEngine(gpu_memory_utilization=0.3, enable_sleep_mode=True, tensor_parallel_size=2).bind(model, tok)
+    assert seen["tensor_parallel_size"] == 2 and seen["gpu_memory_utilization"] == 0.3
+    assert seen["enable_sleep_mode"] is True and seen["logprobs_mode"] == "processed_logprobs"
+
+
 def test_missing_vllm_is_a_clear_error(tiny, monkeypatch):
     import builtins
 
