@@ -150,30 +150,17 @@ class HFEngine(RolloutEngine):
         generator = self._generator(device)
         input_ids, attention = self._left_padded(tok, prompts, device)
         decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str] = ["length"] * n
-        live = set(range(n))
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
-        stops = [s for s in params.stop if s]
+        out = _Outputs(n, tok, params)
+        live = list(range(n))
         logits = decoder.first_logits
         for step in range(params.max_new_tokens):
             ids, lps = sample_next(logits, params, generator)
             ids_l, lps_l = ids.tolist(), lps.tolist()
-            for i in sorted(live):
-                tokens[i].append(ids_l[i])
-                logprobs[i].append(lps_l[i])
-                if ids_l[i] in eos:
-                    reasons[i] = "eos"
-                elif stops and _ends_with_stop(tok, tokens[i], stops):
-                    reasons[i] = "stop"
-                else:
-                    continue
-                live.discard(i)
+            live = [i for i in live if not out.record(i, ids_l[i], lps_l[i])]
             if not live or step == params.max_new_tokens - 1:
                 break
             logits = decoder.step(ids)
-        return [Generation(tokens[i], logprobs[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+        return out.generations()
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
@@ -185,19 +172,14 @@ class HFEngine(RolloutEngine):
         generator = self._generator(device)
         if sync and not self._any_rank(n > 0, device):
             return []
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str] = ["length"] * n
+        out = _Outputs(n, tok, params)
         rows = list(range(n))  # prompt index of each live row
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
-        stops = [s for s in params.stop if s]
         cache = DynamicCache()
         if n:
             input_ids, attention = self._left_padded(tok, prompts, device)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1]
+            logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             next_pos = positions[:, -1:] + 1
         else:  # nothing here, but other ranks generate: keep pace with them
             self._dummy_forward(model, device)
@@ -205,16 +187,7 @@ class HFEngine(RolloutEngine):
             if rows:
                 ids, lps = sample_next(logits, params, generator)
                 ids_l, lps_l = ids.tolist(), lps.tolist()
-                keep = []
-                for j, i in enumerate(rows):
-                    tokens[i].append(ids_l[j])
-                    logprobs[i].append(lps_l[j])
-                    if ids_l[j] in eos:
-                        reasons[i] = "eos"
-                    elif stops and _ends_with_stop(tok, tokens[i], stops):
-                        reasons[i] = "stop"
-                    else:
-                        keep.append(j)
+                keep = [j for j, i in enumerate(rows) if not out.record(i, ids_l[j], lps_l[j])]
                 if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
                     rows = [rows[j] for j in keep]
                     if keep:
@@ -229,11 +202,37 @@ class HFEngine(RolloutEngine):
                 self._dummy_forward(model, device)
                 continue
             attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=-1)
-            out = model(input_ids=ids[:, None], attention_mask=attention, position_ids=next_pos,
-                        past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
+            logits = model(input_ids=ids[:, None], attention_mask=attention, position_ids=next_pos,
+                           past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
-        return [Generation(tokens[i], logprobs[i], reasons[i]) for i in range(n)]  # type: ignore[arg-type]
+        return out.generations()
+
+
+class _Outputs:
+    """What each prompt sampled so far, and why it finished; one per ``generate`` call."""
+
+    def __init__(self, n: int, tok, params: SamplingParams) -> None:
+        self.tok = tok
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.reasons: list[str] = ["length"] * n
+        self.eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
+        self.stops = [s for s in params.stop if s]
+
+    def record(self, i: int, token: int, logprob: float) -> bool:
+        """Append prompt ``i``'s sampled token; return whether it ended the turn (eos or a stop string)."""
+        self.tokens[i].append(token)
+        self.logprobs[i].append(logprob)
+        if token in self.eos:
+            self.reasons[i] = "eos"
+        elif self.stops and _ends_with_stop(self.tok, self.tokens[i], self.stops):
+            self.reasons[i] = "stop"
+        else:
+            return False
+        return True
+
+    def generations(self) -> list[Generation]:
+        return [Generation(t, lp, r) for t, lp, r in zip(self.tokens, self.logprobs, self.reasons)]  # type: ignore[arg-type]
 
 
 def _ends_with_stop(tok, ids: list[int], stops: list[str]) -> bool:

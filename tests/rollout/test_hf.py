@@ -15,10 +15,15 @@ def test_greedy_matches_model_generate_and_logprobs_match_forward(tiny):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
         assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) in (len(ref), 12)
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(gen.logprobs), lp, atol=1e-4, rtol=1e-4)
+        assert_logprobs_of_forward(model, prompt, gen)
+
+
+def assert_logprobs_of_forward(model, prompt, gen):
+    """Each recorded log-prob (temperature 1 or greedy) is the full forward's log-softmax at that token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), lp, atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_logprobs_are_of_the_processed_distribution(tiny):
@@ -114,10 +119,7 @@ def assert_static_matches_eager(model, tok, prompts):
     eager = engine.generate(prompts, params)
     for p, s, e in zip(prompts, static, eager):
         assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
-        with torch.no_grad():
-            logits = model(torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(s.logprobs), lp, atol=1e-4, rtol=1e-4)
+        assert_logprobs_of_forward(model, p, s)
 
 
 def test_static_cache_decoding_matches_the_eager_loop(tiny):
