@@ -24,23 +24,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path | None) -> dict[str, tuple[float, float]]:
+def fit_seed(seed: int, steps: int, val_episodes: int, extra: list[str], save_dir: Path) -> Path:
+    """Train the quickstart (plus ``extra`` flags) from the warm start of ``seed``; return its metrics.csv."""
     from ragen_pl.cli import main as cli
     from ragen_pl.tiny import TinyConfig, build_warm_tiny_model
 
     model = build_warm_tiny_model(TinyConfig(seed=seed))
-    out = Path(tempfile.mkdtemp(prefix=f"ragen-pl-seed{seed}-"))
     code = cli(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), *extra, f"--model.model={model}",
                 f"--seed_everything={seed}", f"--data.seed={1000 * seed}", f"--trainer.max_steps={steps}",
                 f"--trainer.val_check_interval={steps}", f"--data.val_episodes={val_episodes}",
-                "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={out}",
+                "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={save_dir}",
                 "--trainer.enable_checkpointing=false"])
     if code:
         raise SystemExit(code)
-    metrics = next(out.glob("*/version_*/metrics.csv"))
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        shutil.copy(metrics, keep / f"seed{seed}.csv")
+    return next(save_dir.glob("*/version_*/metrics.csv"))
+
+
+def eval_success(metrics: Path) -> dict[str, tuple[float, float]]:
+    """env tag -> (evaluation success at step 0, at the end)."""
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     result = {}
@@ -48,6 +49,14 @@ def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path |
         curve = [float(r[key]) for r in rows if r.get(key)]
         result[key.split("/")[1]] = (curve[0], curve[-1])
     return result
+
+
+def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path | None) -> dict[str, tuple[float, float]]:
+    metrics = fit_seed(seed, steps, val_episodes, extra, Path(tempfile.mkdtemp(prefix=f"ragen-pl-seed{seed}-")))
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(metrics, keep / f"seed{seed}.csv")
+    return eval_success(metrics)
 
 
 def main() -> None:

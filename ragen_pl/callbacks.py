@@ -118,14 +118,16 @@ class EchoTrapAlarm(Callback):
     * ``reward_std``: the env's in-group reward std below ``std_ratio`` x the median of its trailing ``window``
       (or below ``std_floor``);
     * ``repetition``: the env's share of repeated answers in a group above ``repetition_ratio`` x its trailing median
-      (or above ``max_repetition``);
+      and at least ``repetition_margin`` above it (or above ``max_repetition``);
     * ``entropy``: ``loss/entropy`` below ``entropy_ratio`` x its trailing median (the whole batch);
     * ``grad_spike``: ``actor/grad_norm`` above ``spike_ratio`` x its trailing median (the whole batch).
 
     It fires when ``success_drop`` and at least ``min_signals - 1`` other signals hold for ``patience`` consecutive
     steps, names the env and the signals with their values, and then warns, saves a checkpoint, or stops
-    training (``action``). The defaults were chosen on recorded quickstart runs, 5 PPO seeds and 5 GRPO seeds
-    (``tests/data/echo_trap``): it fires on every GRPO run whose Bandit collapsed and on none of the PPO runs.
+    training (``action``). It fires once per env. The defaults were chosen on recorded quickstart runs, 5 PPO seeds
+    and 5 GRPO seeds (``tests/data/echo_trap``): it fires on every GRPO run whose Bandit collapsed and on none of the
+    PPO runs; ``repetition_margin`` came from a PPO run of the findings grid whose FrozenLake success dipped from
+    0.34 to 0.16 for two iterations while its (tiny) repetition share went from 0.02 to 0.09.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class EchoTrapAlarm(Callback):
         std_ratio: float = 0.5,
         std_floor: float = 0.02,
         repetition_ratio: float = 1.5,
+        repetition_margin: float = 0.1,
         max_repetition: float = 0.6,
         entropy_ratio: float = 0.5,
         spike_ratio: float = 5.0,
@@ -150,7 +153,8 @@ class EchoTrapAlarm(Callback):
             min_peak: the best success must have reached this before a drop counts (noise at low success).
             std_ratio: reward-std signal when the env's in-group std < this x its trailing median.
             std_floor: reward-std signal when the env's in-group std < this, whatever the window.
-            repetition_ratio: repetition signal when the env's repetition > this x its trailing median.
+            repetition_ratio: repetition signal when the env's repetition > this x its trailing median ...
+            repetition_margin: ... and more than this above it (small shares fluctuate by several x).
             max_repetition: repetition signal when the env's repetition > this, whatever the window.
             entropy_ratio: entropy signal when the latest entropy < this x the trailing median.
             spike_ratio: gradient signal when the latest actor gradient norm > this x the trailing median.
@@ -166,12 +170,14 @@ class EchoTrapAlarm(Callback):
         self.window, self.success_ratio, self.min_peak = window, success_ratio, min_peak
         self.std_ratio, self.std_floor = std_ratio, std_floor
         self.repetition_ratio, self.max_repetition = repetition_ratio, max_repetition
+        self.repetition_margin = repetition_margin
         self.entropy_ratio, self.spike_ratio = entropy_ratio, spike_ratio
         self.min_signals, self.patience, self.action = min_signals, patience, action
         self.history: dict[str, deque[float]] = {}
         self.peaks: dict[str, float] = {}
         self.streaks: dict[str, int] = {}
         self.fired_at: int | None = None
+        self.fired_tags: set[str] = set()
         self.last_signals: dict[str, float] = {}
         self.last_tag: str | None = None
 
@@ -179,7 +185,7 @@ class EchoTrapAlarm(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The trailing windows and peaks survive a resume, so the alarm compares against the run's own history."""
         return {"history": {k: list(v) for k, v in self.history.items()}, "peaks": dict(self.peaks),
-                "streaks": dict(self.streaks), "fired_at": self.fired_at}
+                "streaks": dict(self.streaks), "fired_at": self.fired_at, "fired_tags": sorted(self.fired_tags)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -187,6 +193,7 @@ class EchoTrapAlarm(Callback):
         self.peaks = dict(state_dict.get("peaks", {}))
         self.streaks = dict(state_dict.get("streaks", {}))
         self.fired_at = state_dict.get("fired_at")
+        self.fired_tags = set(state_dict.get("fired_tags", []))
 
     def _below(self, key: str, value: float | None, ratio: float, floor: float | None = None) -> bool:
         """Whether ``value`` is below ``ratio`` x the trailing median of ``key`` (or below ``floor``); record it."""
@@ -197,13 +204,18 @@ class EchoTrapAlarm(Callback):
         h.append(value)
         return low
 
-    def _above(self, key: str, value: float | None, ratio: float, ceiling: float | None = None) -> bool:
+    def _above(self, key: str, value: float | None, ratio: float, ceiling: float | None = None,
+               margin: float = 0.0) -> bool:
+        """Whether ``value`` is above ``ratio`` x (and ``margin`` over) the trailing median of ``key``, or above
+        ``ceiling``; non-finite counts as above. Records it."""
         if value is None:
             return False
         h = self.history.setdefault(key, deque(maxlen=self.window))
         if not math.isfinite(value):
             return True
-        high = (ceiling is not None and value > ceiling) or (len(h) >= 2 and value > ratio * max(_median(h), 1e-6))
+        base = _median(h) if len(h) >= 2 else None
+        high = (ceiling is not None and value > ceiling) or (
+            base is not None and value > ratio * max(base, 1e-6) and value > base + margin)
         h.append(value)
         return high
 
@@ -230,9 +242,10 @@ class EchoTrapAlarm(Callback):
             if self._below(f"{tag}/std", std, self.std_ratio, self.std_floor):
                 signals["reward_std"] = std  # type: ignore[assignment]
             rep = metrics.get(prefix + "repetition")
-            if self._above(f"{tag}/repetition", rep, self.repetition_ratio, self.max_repetition):
+            if self._above(f"{tag}/repetition", rep, self.repetition_ratio, self.max_repetition,
+                           self.repetition_margin):
                 signals["repetition"] = rep  # type: ignore[assignment]
-            collapsing = "success_drop" in signals and len(signals) >= self.min_signals
+            collapsing = "success_drop" in signals and len(signals) >= self.min_signals and tag not in self.fired_tags
             self.streaks[tag] = self.streaks.get(tag, 0) + 1 if collapsing else 0
             if collapsing and (self.last_tag is None or self.streaks[tag] > self.streaks[self.last_tag]):
                 worst, self.last_tag = signals, tag
@@ -250,6 +263,7 @@ class EchoTrapAlarm(Callback):
         if not self.firing:
             return
         self.fired_at = trainer.global_step
+        self.fired_tags.add(self.last_tag or "")
         described = ", ".join(f"{k}={v:.4g}" for k, v in signals.items())
         env = f" in env {self.last_tag}" if self.last_tag else ""
         message = (f"Echo Trap alarm at step {trainer.global_step}{env}: {described} held for "

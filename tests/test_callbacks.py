@@ -24,7 +24,8 @@ def stream(n, success, std, repetition=lambda i: 0.05, entropy=lambda i: 1.0, gr
             for i in range(n)]
 
 
-def run(alarm, metrics, signals=None):
+def run(alarm, metrics, signals=None, tags=None):
+    """Feed a metric stream; return the indices where the alarm fired (each env once, as in a run)."""
     fired = []
     for i, m in enumerate(metrics):
         now = alarm.observe(m)
@@ -32,7 +33,9 @@ def run(alarm, metrics, signals=None):
             fired.append(i)
             if signals is not None:
                 signals.append(now)
-            alarm.streaks[alarm.last_tag] = 0
+            if tags is not None:
+                tags.append(alarm.last_tag)
+            alarm.fired_tags.add(alarm.last_tag)
     return fired
 
 
@@ -58,20 +61,20 @@ def test_alarm_fires_on_collapse_and_names_signals():
     # Success rises to 0.6, then falls to 0.1 while the in-group std collapses and the entropy halves.
     collapse = stream(40, lambda i: 0.6 if i < 20 else 0.1, lambda i: 0.3 if i < 20 else 0.01,
                       entropy=lambda i: 1.0 if i < 20 else 0.3)
-    alarm, signals = EchoTrapAlarm(patience=2), []
-    fired = run(alarm, collapse, signals)
-    assert fired and fired[0] == 21  # two consecutive collapsing steps: 20 and 21
+    signals, tags = [], []
+    fired = run(EchoTrapAlarm(patience=2), collapse, signals, tags)
+    assert fired == [21]  # two consecutive collapsing steps: 20 and 21; and only once
     assert set(signals[0]) == {"success_drop", "reward_std", "entropy"}
     assert signals[0]["success_drop"] == 0.1 and signals[0]["reward_std"] == 0.01
-    assert alarm.last_tag == "Bandit"
+    assert tags == ["Bandit"]
 
 
 def test_one_env_collapsing_while_another_improves():
     rising = stream(30, lambda i: min(0.9, 0.05 * i), lambda i: 0.3, tag="FrozenLake")
     falling = stream(30, lambda i: 0.5 if i < 10 else 0.05, lambda i: 0.3 if i < 10 else 0.0, tag="Bandit")
-    alarm = EchoTrapAlarm()
-    fired = run(alarm, [{**a, **b} for a, b in zip(rising, falling)])
-    assert fired and fired[0] == 11 and alarm.last_tag == "Bandit"
+    tags = []
+    fired = run(EchoTrapAlarm(), [{**a, **b} for a, b in zip(rising, falling)], tags=tags)
+    assert fired == [11] and tags == ["Bandit"]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -81,13 +84,27 @@ def test_recorded_runs_grpo_collapses_fire_and_ppo_stays_quiet(seed):
     learned it in all five. The alarm must fire on exactly the collapses."""
     grpo = trace(f"grpo_seed{seed}.csv")
     collapsed = grpo[-1]["rollout/Bandit/success"] < 0.5  # the collapsed ones end at 0.00-0.13, the others 0.98+
-    alarm = EchoTrapAlarm()
-    fired = run(alarm, grpo)
+    tags = []
+    fired = run(EchoTrapAlarm(), grpo, tags=tags)
     if collapsed:
-        assert fired and fired[0] <= 12 and alarm.last_tag == "Bandit", fired
+        assert fired and fired[0] <= 12 and tags == ["Bandit"], (fired, tags)
     else:
         assert fired == []
     assert run(EchoTrapAlarm(), trace(f"ppo_seed{seed}.csv")) == []
+
+
+def test_fires_once_per_env(tiny_model_path, tmp_path):
+    alarm = EchoTrapAlarm()
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=1, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=4))
+    trainer = pl.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         limit_val_batches=0, callbacks=[Replay(trace("grpo_seed1.csv")), alarm],
+                         default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"Echo Trap alarm") as warned:
+        trainer.fit(module, dm)
+    assert len([w for w in warned if "Echo Trap alarm" in str(w.message)]) == 1
+    assert alarm.fired_tags == {"Bandit"} and alarm.fired_at == 7
 
 
 def test_recorded_traces_cover_both_outcomes():
@@ -133,7 +150,7 @@ class Replay(pl.Callback):
 
 def test_alarm_stops_a_run_replaying_a_recorded_collapse(tiny_model_path, tmp_path):
     """The live plumbing: in a real fit, the recorded GRPO collapse (seed 1) makes the alarm warn, log and stop
-    (step k sees row k - 1 of the trace; rows 2 and 3 collapse, so it stops after step 4)."""
+    (step k sees row k - 1 of the trace; rows 5 and 6 collapse, so it stops after step 7)."""
     alarm = EchoTrapAlarm(action="stop")
     module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
     dm = RolloutDataModule(Bandit(), n_groups=1, group_size=2, filter=NoFilter(),
@@ -141,9 +158,9 @@ def test_alarm_stops_a_run_replaying_a_recorded_collapse(tiny_model_path, tmp_pa
     trainer = pl.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                          limit_val_batches=0, callbacks=[Replay(trace("grpo_seed1.csv")), alarm],
                          default_root_dir=tmp_path)
-    with pytest.warns(UserWarning, match=r"Echo Trap alarm at step 4 in env Bandit: .*success_drop=0\.125"):
+    with pytest.warns(UserWarning, match=r"Echo Trap alarm at step 7 in env Bandit: .*success_drop=0\.078"):
         trainer.fit(module, dm)
-    assert alarm.fired_at == 4 and trainer.global_step == 4  # stopped at once
+    assert alarm.fired_at == 7 and trainer.global_step == 7  # stopped at once
 
 
 def test_alarm_history_survives_a_checkpoint():
