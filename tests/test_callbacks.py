@@ -95,14 +95,8 @@ def test_recorded_runs_grpo_collapses_fire_and_ppo_stays_quiet(seed):
 
 def test_fires_once_per_env(tiny_model_path, tmp_path):
     alarm = EchoTrapAlarm()
-    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
-    dm = RolloutDataModule(Bandit(), n_groups=1, group_size=2, filter=NoFilter(),
-                           rollout=RolloutConfig(max_turns=1, max_new_tokens=4))
-    trainer = pl.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         limit_val_batches=0, callbacks=[Replay(trace("grpo_seed1.csv")), alarm],
-                         default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match=r"Echo Trap alarm") as warned:
-        trainer.fit(module, dm)
+        fit_replaying(tiny_model_path, tmp_path, alarm, "grpo_seed1.csv")
     assert len([w for w in warned if "Echo Trap alarm" in str(w.message)]) == 1
     assert alarm.fired_tags == {"Bandit"} and alarm.fired_at == 7
 
@@ -152,15 +146,20 @@ def test_alarm_stops_a_run_replaying_a_recorded_collapse(tiny_model_path, tmp_pa
     """The live plumbing: in a real fit, the recorded GRPO collapse (seed 1) makes the alarm warn, log and stop
     (step k sees row k - 1 of the trace; rows 5 and 6 collapse, so it stops after step 7)."""
     alarm = EchoTrapAlarm(action="stop")
-    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    with pytest.warns(UserWarning, match=r"Echo Trap alarm at step 7 in env Bandit: .*success_drop=0\.078"):
+        trainer = fit_replaying(tiny_model_path, tmp_path, alarm, "grpo_seed1.csv")
+    assert alarm.fired_at == 7 and trainer.global_step == 7  # stopped at once
+
+
+def fit_replaying(model_path, root, alarm, trace_name, steps=12):
+    """A short real fit whose logged metrics are replaced, step by step, by a recorded trace."""
+    module = RagenModule(str(model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
     dm = RolloutDataModule(Bandit(), n_groups=1, group_size=2, filter=NoFilter(),
                            rollout=RolloutConfig(max_turns=1, max_new_tokens=4))
-    trainer = pl.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         limit_val_batches=0, callbacks=[Replay(trace("grpo_seed1.csv")), alarm],
-                         default_root_dir=tmp_path)
-    with pytest.warns(UserWarning, match=r"Echo Trap alarm at step 7 in env Bandit: .*success_drop=0\.078"):
-        trainer.fit(module, dm)
-    assert alarm.fired_at == 7 and trainer.global_step == 7  # stopped at once
+    trainer = pl.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         limit_val_batches=0, callbacks=[Replay(trace(trace_name)), alarm], default_root_dir=root)
+    trainer.fit(module, dm)
+    return trainer
 
 
 def test_alarm_history_survives_a_checkpoint():
