@@ -125,11 +125,10 @@ def read_run(run: Path) -> tuple[dict[str, list[tuple[int, float]]], list[dict]]
     series: dict[str, list[tuple[int, float]]] = {}
     samples: list[dict] = []
     chain = run_chain(run)
-    for i, folder in enumerate(chain):
-        part = read_series(find_metrics(folder))
-        later = chain[i + 1:]
-        cutoff = min((min((s for pts in read_series(find_metrics(f)).values() for s, _ in pts), default=math.inf)
-                      for f in later), default=math.inf)
+    parts = [read_series(find_metrics(folder)) for folder in chain]
+    firsts = [min((step for points in part.values() for step, _ in points), default=math.inf) for part in parts]
+    for i, (folder, part) in enumerate(zip(chain, parts)):
+        cutoff = min(firsts[i + 1:], default=math.inf)  # a later part of the run takes over from its first step
         for key, points in part.items():
             series.setdefault(key, []).extend(p for p in points if p[0] < cutoff)
         samples.extend(s for s in read_samples(folder) if s.get("step", 0) < cutoff)
