@@ -82,6 +82,11 @@ def save_atomic(checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     _write_atomic(sidecar, (digest + "\n").encode())
 
 
+#: (path, size, mtime) of files whose digest already matched in this process: resuming checks the file in the CLI
+#: and again when Lightning loads it, and hashing a multi-GB checkpoint twice buys nothing.
+_verified: set[tuple[str, int, int]] = set()
+
+
 def verify(path: str | os.PathLike) -> None:
     """Raise :class:`CheckpointError` unless ``path`` is a non-empty file whose sha256 (if recorded) matches."""
     path = Path(path)
@@ -92,17 +97,24 @@ def verify(path: str | os.PathLike) -> None:
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): a save was interrupted; use an earlier one")
     sidecar = _digest_path(path)
-    if sidecar.exists():
-        expected = sidecar.read_text().split()
-        if expected and file_digest(path) not in expected:
-            raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 does not match {sidecar.name}")
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if not sidecar.exists() or key in _verified:
+        return
+    expected = sidecar.read_text().split()
+    if expected and file_digest(path) not in expected:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 does not match {sidecar.name}")
+    _verified.add(key)
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint file after :func:`verify`; any damage becomes one :class:`CheckpointError` line."""
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint file after :func:`verify`; any damage becomes one :class:`CheckpointError` line.
+
+    ``mmap=True`` maps the tensors instead of reading them (for callers that only need the hyperparameters).
+    """
     verify(path)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, bad pickle, ...: the file is unusable whatever the cause
         first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated or corrupt): "
@@ -186,5 +198,5 @@ def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str 
     return out
 
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "RunCheckpoint", "find_last", "load_checkpoint", "model_differences", "save_atomic",
-           "verify"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "RunCheckpoint", "find_last", "load_checkpoint",
+           "model_differences", "save_atomic", "verify"]

@@ -195,7 +195,7 @@ class RagenCLI(LightningCLI):
         path = Path(given)
         if path.is_dir():
             return  # a sharded checkpoint: its shards are checked as they load
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, mmap=True)  # only the hyperparameters are read here; Lightning loads it
         saved = checkpoint.get("hyper_parameters") or {}
         model = cfg.get("model")
         as_dict = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
