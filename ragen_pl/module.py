@@ -357,13 +357,18 @@ class RagenModule(pl.LightningModule):
               values: bool = False) -> dict[str, Tensor]:
         """Log-probs (B, T) of ``ids`` under ``model``, and optionally entropy (B, T) and shared-trunk values.
 
-        Only the positions in ``mask`` go through the float32 log-softmax, so the (B, T, V) float32 tensor is
-        never built.
+        Only the positions in ``mask`` go through the LM head and the float32 log-softmax, so no (B, T, V) tensor
+        is built.
         """
-        out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values)
         target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
-        logits = out.logits[:, :-1][target] / self.ppo.temperature  # (N, V)
-        lp = logprobs_from_logits(logits, ids[:, 1:][target])
+        # The LM head runs only at positions some row scores: prompts and env text need no logits (for a 0.5B
+        # Qwen the head is over a quarter of the model's FLOPs, and (B, T, V) logits are gigabytes).
+        cols = target.any(0).nonzero().squeeze(-1)
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values,
+                    logits_to_keep=cols)
+        keep = target[:, cols]
+        logits = out.logits[keep] / self.ppo.temperature  # (N, V)
+        lp = logprobs_from_logits(logits, ids[:, 1:][:, cols][keep])
         pad = torch.zeros_like(mask[:, :1], dtype=torch.float32)
         result = {"logprobs": torch.cat([pad, torch.zeros_like(target, dtype=lp.dtype).masked_scatter(target, lp)], 1)}
         if entropy:
@@ -375,24 +380,44 @@ class RagenModule(pl.LightningModule):
                                              .squeeze(-1))
         return result
 
+    def scores_old_policy_in_update(self, n: int) -> bool:
+        """Whether the update's own first forward gives the old log-probs, so ``prepare`` skips the policy pass.
+
+        With one optimiser step per iteration (one epoch, one mini-batch) the weights do not change before every
+        micro-batch has been scored, so the detached log-probs of the update's forward are exactly the sampling
+        policy's (TRL's GRPO does the same with ``num_iterations=1``). Not when a shared value head needs that
+        forward's values first, or a KL reward needs the old log-probs before the advantages.
+        """
+        p = self.ppo
+        return (p.ppo_epochs == 1 and p.mini_batch_size >= n and self.value_head is None
+                and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
+
     @torch.no_grad()
     def prepare(self, batch: TrajectoryBatch) -> dict[str, Tensor]:
-        """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place."""
+        """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place.
+
+        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds.
+        """
         mb = self.ppo.micro_batch_size
+        score_policy = not self.scores_old_policy_in_update(len(batch))
         old, vals, ref = [], [], []
         for idx in torch.arange(len(batch)).split(mb):
             part = batch.select(idx)
             T = int(part.attention_mask.sum(-1).max())
             ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
-            s = self.score(self.policy, ids, attn, mask, values=self.value_head is not None)
-            old.append(_pad_to(s["logprobs"], batch.input_ids.shape[1]))
+            if score_policy:
+                s = self.score(self.policy, ids, attn, mask, values=self.value_head is not None)
+                old.append(_pad_to(s["logprobs"], batch.input_ids.shape[1]))
+            else:
+                s = {}
             if self.critic is not None:
                 vals.append(_pad_to(self.critic(ids, attn), batch.input_ids.shape[1]))
             elif "values" in s:
                 vals.append(_pad_to(s["values"], batch.input_ids.shape[1]))
             if self.ppo.kl_coeff > 0:
                 ref.append(_pad_to(self._reference_logprobs(ids, attn, mask), batch.input_ids.shape[1]))
-        batch.old_logprobs = torch.cat(old)
+        if old:
+            batch.old_logprobs = torch.cat(old)
         if vals:
             batch.values = torch.cat(vals)
         if ref:
@@ -414,12 +439,6 @@ class RagenModule(pl.LightningModule):
             batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
             metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
         batch.advantages, batch.returns = self.advantage(batch)
-        # Sampled-token negative log-likelihood: a Monte-Carlo estimate of the policy's entropy, per token and
-        # summed over each trajectory (the paper's trajectory entropy).
-        nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
-        real = batch.loss_mask.any(-1)
-        metrics["rollout/token_entropy"] = nll.sum() / batch.loss_mask.sum().clamp(min=1)
-        metrics["rollout/trajectory_entropy"] = nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())
         metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)
         metrics["adv/abs_mean"] = masked_mean(batch.advantages.abs(), batch.loss_mask)
         if batch.values is not None:
@@ -433,6 +452,16 @@ class RagenModule(pl.LightningModule):
             return self.score(self.reference, ids, attn, mask)["logprobs"]
         with self.policy.disable_adapter():  # LoRA: the base model is the reference
             return self.score(self.policy, ids, attn, mask)["logprobs"]
+
+    @staticmethod
+    def entropy_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:
+        """Sampled-token negative log-likelihood under the sampling policy: a Monte-Carlo estimate of its entropy,
+        per token and summed over each trajectory (the paper's trajectory entropy)."""
+        assert batch.old_logprobs is not None
+        nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
+        real = batch.loss_mask.any(-1)
+        return {"rollout/token_entropy": nll.sum() / batch.loss_mask.sum().clamp(min=1),
+                "rollout/trajectory_entropy": nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())}
 
     # ----------------------------------------------------------------------------------------- update
     def _norm_count(self, mask: Tensor) -> Tensor:
@@ -448,8 +477,11 @@ class RagenModule(pl.LightningModule):
         ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
         scale = self._norm_count(mask) / mini_count
         s = self.score(self.policy, ids, attn, mask, entropy=True, values=self.value_head is not None)
-        pg, metrics = policy_loss(s["logprobs"], part.old_logprobs[:, :T], part.advantages[:, :T], mask,
+        # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
+        old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s["logprobs"].detach()
+        pg, metrics = policy_loss(s["logprobs"], old, part.advantages[:, :T], mask,
                                   p.clip_low, p.clip_high, p.dual_clip, p.loss_agg)
+        metrics["old_logprobs"] = old
         ent = aggregate(s["entropy"], mask, p.loss_agg)
         actor = pg - p.entropy_coeff * ent
         metrics["loss/policy"] = pg.detach()
@@ -477,13 +509,16 @@ class RagenModule(pl.LightningModule):
         rollout.batch = batch
         metrics = {k: v for k, v in rollout.metrics.items()}
         t0 = time.perf_counter()
-        if batch.old_logprobs is None:
+        fresh = batch.advantages is None
+        if fresh:
             metrics.update(self.prepare(batch))
         # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
         # the policy that sampled it, so PPO's ratio stays the importance weight against the behaviour policy.
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         t2 = time.perf_counter()
+        if fresh:
+            metrics.update(self.entropy_metrics(batch))
         metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
         tokens = float(rollout.result.batch.loss_mask.sum()) if rollout.result and rollout.result.batch else 0.0
         rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
@@ -540,6 +575,7 @@ class RagenModule(pl.LightningModule):
         sums: dict[str, list[Tensor]] = {}
         n = len(batch)
         steps = 0
+        scored: list[tuple[Tensor, Tensor]] = []  # (rows, old log-probs) when the update scores the old policy
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle).to(batch.input_ids.device)
             for start in range(0, n, p.mini_batch_size):
@@ -551,6 +587,9 @@ class RagenModule(pl.LightningModule):
                     actor, critic, m = self.micro_loss(batch.select(micro), mini_count)
                     total = actor if critic is None else actor + critic
                     self.manual_backward(total)
+                    old = m.pop("old_logprobs")
+                    if batch.old_logprobs is None:
+                        scored.append((micro, old))
                     for k, v in m.items():
                         sums.setdefault(k, []).append(v)
                 norms = [self._clip_grad_norm([self.policy, self.value_head], actor_params)]
@@ -569,6 +608,10 @@ class RagenModule(pl.LightningModule):
                 for opt in raw:
                     opt.step()
                 steps += 1
+        if scored:  # kept for metrics and for a reused rollout's importance ratio
+            batch.old_logprobs = torch.zeros_like(batch.rewards, dtype=torch.float32)
+            for rows, lp in scored:
+                batch.old_logprobs[rows, :lp.shape[1]] = lp.float()
         out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).nanmean() for k, v in sums.items()}
         out["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
         out["train/optimizer_steps"] = torch.tensor(float(steps))

@@ -103,9 +103,12 @@ class SFTModule(pl.LightningModule):
         self.model, self.lr, self.warmup_steps = model, lr, warmup_steps
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         target = batch["loss_mask"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1][target].float(), batch["input_ids"][:, 1:][target])
+        cols = target.any(0).nonzero().squeeze(-1)  # the LM head runs only where an assistant token is predicted
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            logits_to_keep=cols).logits
+        keep = target[:, cols]
+        loss = torch.nn.functional.cross_entropy(logits[keep].float(), batch["input_ids"][:, 1:][:, cols][keep])
         self.log("sft/loss", loss, prog_bar=True)
         return loss
 

@@ -212,3 +212,71 @@ def test_bf16_mixed_later_mini_batches_see_the_updated_weights(tiny_model_path, 
     trainer(1, precision="bf16-mixed", accelerator="cpu").fit(module, dm)
     assert len(seen) == 2  # two mini-batches of one micro-batch
     assert seen[1] > 0  # the second mini-batch is scored with the weights after the first step
+
+
+def test_score_runs_the_lm_head_only_where_tokens_are_scored(tiny_model_path):
+    """Log-probs and entropy from the trimmed LM head equal a plain full-logits reference, token by token."""
+    module = RagenModule(str(tiny_model_path))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, module.policy.config.vocab_size, (3, 12), generator=g)
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    attn[2, 9:] = False  # a shorter row (right padding)
+    mask = torch.zeros_like(attn)
+    mask[0, 5:8], mask[0, 10] = True, True  # two turns
+    mask[1, 11] = True
+    mask[2, 3:9] = True
+    with torch.no_grad():
+        s = module.score(module.policy, ids, attn, mask, entropy=True)
+        logits = module.policy(input_ids=ids, attention_mask=attn).logits.float()
+    ref_lp = torch.zeros(3, 12)
+    ref_ent = torch.zeros(3, 12)
+    for b in range(3):
+        for t in range(1, 12):
+            if mask[b, t]:
+                logp = torch.log_softmax(logits[b, t - 1], -1)
+                ref_lp[b, t] = logp[ids[b, t]]
+                ref_ent[b, t] = -(logp.exp() * logp).sum()
+    torch.testing.assert_close(s["logprobs"], ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s["entropy"], ref_ent, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("advantage", [GRPO(), GAE()], ids=["grpo", "gae_separate_critic"])
+def test_one_step_update_scores_the_old_policy_itself(tiny_model_path, monkeypatch, advantage):
+    """With one optimiser step per iteration, skipping prepare's policy pass changes nothing: same old log-probs,
+    same weights after the update as with the pass."""
+    results = []
+    for skip in (True, False):
+        module, dm = make(tiny_model_path, advantage=advantage, env=Bandit(),
+                          ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2))
+        t = trainer(0)
+        t.fit(module, dm)  # attaches the trainer, runs setup
+        dm.setup("fit")
+        torch.manual_seed(0)
+        batch = dm.play_training_rollout().batch
+        assert module.scores_old_policy_in_update(len(batch))
+        if not skip:
+            monkeypatch.setattr(module, "scores_old_policy_in_update", lambda n: False)
+        module.prepare(batch)
+        assert (batch.old_logprobs is None) == skip
+        metrics = module.update(batch)
+        assert float(metrics["train/optimizer_steps"]) == 1
+        results.append((batch.old_logprobs.clone(), {n: p.detach().clone() for n, p in module.named_parameters()},
+                        module.entropy_metrics(batch)))
+        monkeypatch.undo()
+    (lp_a, w_a, e_a), (lp_b, w_b, e_b) = results
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e_a, e_b, atol=1e-5, rtol=1e-5)
+    for n in w_a:
+        torch.testing.assert_close(w_a[n], w_b[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_several_optimiser_steps_score_the_old_policy_first(tiny_model_path):
+    module, _ = make(tiny_model_path, advantage=GRPO(), ppo=PPOConfig(mini_batch_size=2, micro_batch_size=2))
+    assert not module.scores_old_policy_in_update(4)  # two mini-batches: the second sees updated weights
+    assert module.scores_old_policy_in_update(2)
+    epochs, _ = make(tiny_model_path, advantage=GRPO(), ppo=PPOConfig(ppo_epochs=2))
+    assert not epochs.scores_old_policy_in_update(4)
+    shared = RagenModule(str(tiny_model_path), critic="shared", ppo=PPOConfig(mini_batch_size=4))
+    assert not shared.scores_old_policy_in_update(4)  # the shared head's values come from that forward
+    kl_reward = RagenModule(str(tiny_model_path), advantage=GRPO(), ppo=PPOConfig(kl_coeff=0.1, kl_mode="reward"))
+    assert not kl_reward.scores_old_policy_in_update(4)

@@ -70,3 +70,24 @@ def test_sft_command_path_lowers_the_loss(tiny_model_path, tmp_path):
     last = sft(tiny_model_path, records, tmp_path / "b", steps=30, lr=3e-3, batch_size=8, progress=False)
     assert last < first - 1.0
     assert (tmp_path / "b" / "config.json").exists() and (tmp_path / "b" / "tokenizer.json").exists()
+
+
+def test_sft_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_model_path):
+    """The trimmed LM head gives the plain full-logits loss over exactly the assistant tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl.sft import SFTModule, _collate
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    records = demonstrations([Sokoban()], 3, warm_start_rollout(), seed=2)
+    batch = _collate(tok.pad_token_id)([encode(r, tok) for r in records])
+    module = SFTModule(model)
+    module.log = lambda *a, **k: None
+    with torch.no_grad():
+        loss = module.training_step(batch, 0)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    terms = [torch.nn.functional.cross_entropy(logits[b, t - 1], batch["input_ids"][b, t])
+             for b in range(len(records)) for t in range(1, batch["input_ids"].shape[1]) if batch["loss_mask"][b, t]]
+    torch.testing.assert_close(loss, torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)

@@ -176,10 +176,17 @@ class HFEngine(RolloutEngine):
         rows = list(range(n))  # prompt index of each live row
         cache = DynamicCache()
         if n:
-            input_ids, attention = self._left_padded(tok, prompts, device)
+            # Identical prompts (a group's first turn) are prefilled once; their KV rows are then copied.
+            unique: dict[tuple[int, ...], int] = {}
+            inverse = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+            input_ids, attention = self._left_padded(tok, [list(p) for p in unique], device)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            if len(unique) < n:
+                index = torch.tensor(inverse, device=device)
+                cache.batch_select_indices(index)
+                logits, attention, positions = logits[index], attention[index], positions[index]
             next_pos = positions[:, -1:] + 1
         else:  # nothing here, but other ranks generate: keep pace with them
             self._dummy_forward(model, device)

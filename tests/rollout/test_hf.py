@@ -18,6 +18,27 @@ def test_greedy_matches_model_generate_and_logprobs_match_forward(tiny):
         assert_logprobs_of_forward(model, prompt, gen)
 
 
+def test_identical_prompts_are_prefilled_once(tiny):
+    """A group's first turn repeats one prompt: one prefill row per distinct prompt, the same answers."""
+    model, tok = tiny
+    engine = HFEngine()
+    engine.bind(model, tok)
+    a, b = tok("Turn 1:\nState:\n#_#")["input_ids"], tok("Turn 1:\nState:\n#__#_#")["input_ids"]
+    prompts = [a, b, a, a, b]
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        gens = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6, stop=[]))
+    finally:
+        hook.remove()
+    assert widths[0][0] == 2  # the prefill: two distinct prompts
+    for prompt, gen in zip(prompts, gens):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+        assert gen.token_ids == ref[:len(gen.token_ids)] and len(gen.token_ids) in (len(ref), 6)
+        assert_logprobs_of_forward(model, prompt, gen)
+
+
 def assert_logprobs_of_forward(model, prompt, gen):
     """Each recorded log-prob (temperature 1 or greedy) is the full forward's log-softmax at that token."""
     with torch.no_grad():
