@@ -142,8 +142,15 @@ class HFEngine(RolloutEngine):
             attention[i, width - len(p):] = 1
         return input_ids.to(device), attention.to(device)
 
-    def _generate_static(self, model, tok, prompts, params, device, capture: bool) -> list[Generation]:
-        """Static KV cache, all rows stepping together (finished ones ignored), optionally as a CUDA graph."""
+    def _generate_static(self, model, tok, prompts, params, device, capture: bool,
+                         sync_every: int = 8) -> list[Generation]:
+        """Static KV cache, all rows stepping together (finished ones ignored), optionally as a CUDA graph.
+
+        Sampled tokens stay on the device and come to the host ``sync_every`` steps at a time, where eos and stop
+        strings are found token by token as before: the GPU runs ahead instead of waiting for the host each token.
+        Every row samples at every step either way, so the tokens are the same for any ``sync_every``; at most
+        ``sync_every - 1`` steps run after the last row ended.
+        """
         from ragen_pl.rollout.static import StaticDecoder
 
         n = len(prompts)
@@ -153,12 +160,19 @@ class HFEngine(RolloutEngine):
         out = _Outputs(n, tok, params)
         live = list(range(n))
         logits = decoder.first_logits
+        pending: list[tuple[Tensor, Tensor]] = []
         for step in range(params.max_new_tokens):
             ids, lps = sample_next(logits, params, generator)
-            ids_l, lps_l = ids.tolist(), lps.tolist()
-            live = [i for i in live if not out.record(i, ids_l[i], lps_l[i])]
-            if not live or step == params.max_new_tokens - 1:
-                break
+            pending.append((ids, lps))
+            last = step == params.max_new_tokens - 1
+            if len(pending) == sync_every or last:
+                ids_h = torch.stack([i for i, _ in pending]).tolist()  # one device-to-host copy per chunk
+                lps_h = torch.stack([lp for _, lp in pending]).tolist()
+                pending = []
+                for ids_l, lps_l in zip(ids_h, lps_h):
+                    live = [i for i in live if not out.record(i, ids_l[i], lps_l[i])]
+                if not live or last:
+                    break
             logits = decoder.step(ids)
         return out.generations()
 

@@ -162,3 +162,20 @@ def test_static_cache_sampling_stops_rows_independently(tiny):
             assert "_" in text and "_" not in tok.decode(g.token_ids[:-1])
         else:
             assert g.finish_reason == "eos" or len(g.token_ids) == 30
+
+
+def test_static_path_host_syncs_in_chunks_without_changing_tokens(tiny):
+    """Tokens reach the host a chunk at a time; eos and stop strings still end each row at the same token."""
+    model, tok = tiny
+    prompts = [tok("x")["input_ids"], tok("Turn 1:\n#_")["input_ids"]] * 3
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, stop=["_"])
+    runs = []
+    for chunk in (1, 3, 8, 64):
+        engine = HFEngine(seed=5)
+        engine.bind(model, tok)
+        with torch.no_grad():
+            gens = engine._generate_static(model, tok, prompts, params, torch.device("cpu"), capture=False,
+                                           sync_every=chunk)
+        runs.append([(g.token_ids, g.logprobs, g.finish_reason) for g in gens])
+    assert all(r == runs[0] for r in runs[1:])
+    assert {reason for _, _, reason in runs[0]} & {"stop", "eos"}  # some rows ended early, mid-chunk
