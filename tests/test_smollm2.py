@@ -93,3 +93,27 @@ def test_static_cache_decoding_with_llama_architecture(smollm2):
                for k in (1, 6, 3)]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
     assert_static_matches_eager(model, tok, prompts)
+
+
+@pytest.mark.parametrize("env", ["bandit", "frozenlake", "sokoban"])
+def test_warm_start_recipe_is_its_configs_layout(env):
+    """The warm start is taught in the exact rollout layout of configs/smollm2-<env>.yaml (the prompts name it)."""
+    from pathlib import Path
+
+    import yaml
+
+    from ragen_pl.models import SMOLLM2_WARM
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"smollm2-{env}.yaml").read_text())
+    recipe = SMOLLM2_WARM[env]
+    assert config["model"]["model"] == f"{SMOLLM2}-warm-{env}"
+    assert config["data"]["env"]["class_path"] == recipe.env
+    assert config["data"]["rollout"] == recipe.rollout
+
+
+def test_unknown_warm_start_names_the_known_ones():
+    from ragen_pl.errors import ConfigError
+    from ragen_pl.models import resolve_model
+
+    with pytest.raises(ConfigError, match=r"ragen-pl/smollm2-135m-warm-chess.*choose one of .*warm-bandit"):
+        resolve_model(f"{SMOLLM2}-warm-chess")
