@@ -155,8 +155,10 @@ class HFEngine(RolloutEngine):
 
         n = len(prompts)
         generator = self._generator(device)
-        input_ids, attention = self._left_padded(tok, prompts, device)
-        decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture)
+        distinct, rows = _distinct(prompts)
+        input_ids, attention = self._left_padded(tok, distinct, device)
+        decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture,
+                                rows=torch.tensor(rows, device=device) if len(distinct) < n else None)
         out = _Outputs(n, tok, params)
         live = list(range(n))
         logits = decoder.first_logits
@@ -191,13 +193,12 @@ class HFEngine(RolloutEngine):
         cache = DynamicCache()
         if n:
             # Identical prompts (a group's first turn) are prefilled once; their KV rows are then copied.
-            unique: dict[tuple[int, ...], int] = {}
-            inverse = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-            input_ids, attention = self._left_padded(tok, [list(p) for p in unique], device)
+            distinct, inverse = _distinct(prompts)
+            input_ids, attention = self._left_padded(tok, distinct, device)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-            if len(unique) < n:
+            if len(distinct) < n:
                 index = torch.tensor(inverse, device=device)
                 cache.batch_select_indices(index)
                 logits, attention, positions = logits[index], attention[index], positions[index]
@@ -254,6 +255,13 @@ class _Outputs:
 
     def generations(self) -> list[Generation]:
         return [Generation(t, lp, r) for t, lp, r in zip(self.tokens, self.logprobs, self.reasons)]  # type: ignore[arg-type]
+
+
+def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in first-seen order, and each prompt's index among them."""
+    seen: dict[tuple[int, ...], int] = {}
+    inverse = [seen.setdefault(tuple(p), len(seen)) for p in prompts]
+    return [list(p) for p in seen], inverse
 
 
 def _ends_with_stop(tok, ids: list[int], stops: list[str]) -> bool:

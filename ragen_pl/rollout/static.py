@@ -51,6 +51,12 @@ class StaticKV:
             self._seen = q if q > 1 else self._seen + 1
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def select_rows(self, index: Tensor) -> None:
+        """Rebuild every layer's buffers from rows ``index`` (repeats allowed): prefill once, decode many."""
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer].index_select(0, index)
+            self.values[layer] = self.values[layer].index_select(0, index)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
 
@@ -62,7 +68,9 @@ class StaticDecoder:
     """One ``generate`` call's prefill and decode steps over a :class:`StaticKV`, optionally graph-captured."""
 
     def __init__(self, model: nn.Module, input_ids: Tensor, attention: Tensor, max_new_tokens: int,
-                 capture: bool) -> None:
+                 capture: bool, rows: Tensor | None = None) -> None:
+        """``input_ids`` / ``attention``: left-padded prompts. With ``rows``, those are distinct prompts, prefilled
+        once each, and the decode batch is ``rows`` (an index into them, repeats allowed)."""
         n, width = input_ids.shape
         device = input_ids.device
         self.model, self.width = model, width
@@ -74,11 +82,16 @@ class StaticDecoder:
         queries = torch.arange(width, device=device)[:, None]
         prefill_mask = (keys[None, :] <= queries) & (keys[None, :] >= first[:, :, None])
         prefill_mask = (prefill_mask | (keys[None, :] == queries))[:, None]
-        self.mask = (keys >= first) & (keys < width)  # (n, L) decode mask: the prompt so far
-        self.positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=prefill_mask,
-                    position_ids=self.positions, past_key_values=self.kv, use_cache=True, logits_to_keep=1)
+                    position_ids=positions, past_key_values=self.kv, use_cache=True, logits_to_keep=1)
         self.first_logits = out.logits[:, -1]
+        if rows is not None:
+            self.kv.select_rows(rows)
+            first, positions, self.first_logits = first[rows], positions[rows], self.first_logits[rows]
+            n = len(rows)
+        self.mask = (keys >= first) & (keys < width)  # (n, L) decode mask: the prompt so far
+        self.positions = positions
         # Static inputs of the decode step, updated in place before each step.
         self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)
         self.pos = self.positions[:, -1:].clone()

@@ -148,6 +148,23 @@ def test_static_cache_decoding_matches_the_eager_loop(tiny):
     assert_static_matches_eager(model, tok, [tok("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in (1, 7, 3, 12)])
 
 
+def test_static_cache_prefills_identical_prompts_once(tiny):
+    model, tok = tiny
+    a, b = tok("Turn 1:\nState:\n#_")["input_ids"], tok("Turn 1:\nState:\n#_#_#_#")["input_ids"]
+    widths = []
+
+    def record(module, args, kwargs):
+        widths.append((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape)
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        assert_static_matches_eager(model, tok, [a, b, b, a, a])
+    finally:
+        hook.remove()
+    assert widths[0][0] == 2  # the static path's prefill: the two distinct prompts
+    assert widths[1][0] == 5  # its first decode step: every row
+
+
 def test_static_cache_sampling_stops_rows_independently(tiny):
     model, tok = tiny
     engine = HFEngine(seed=2)
