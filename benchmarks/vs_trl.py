@@ -8,7 +8,8 @@ prompt opens, token for token), the same reward (the env's payout, -0.1 for an a
 seeds step by step, 8 prompts x 4 answers = 32 sampled answers per step, 8 new tokens, temperature 1, one AdamW step
 per batch at 1e-5 (constant, weight decay 0.01, gradient norm 1), clip 0.2 / 0.28, no KL:
 
-* ``trl``:  TRL's ``GRPOTrainer`` (its ``dapo`` token-level loss, the default).
+* ``trl``:  TRL's ``GRPOTrainer`` (its ``dapo`` token-level loss, the default; gradient checkpointing off as in
+  ragen-pl, where TRL's default turns it on).
 * ``grpo``: ``ragen-pl fit`` with ``GRPO`` (token-mean loss).
 * ``ppo``:  ``ragen-pl fit`` with PPO and GAE, a value head on the policy's trunk (StarPO-S as in
   ``configs/smollm2-bandit.yaml``).
@@ -119,6 +120,7 @@ def run_trl(steps: int, eval_every: int, scale: str, seed: int) -> dict:
         temperature=1.0, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
         epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards=scale, shuffle_dataset=False, logging_steps=1,
         save_strategy="no", report_to="none", disable_dropout=True, dataloader_num_workers=0, bf16=False,
+        gradient_checkpointing=False,  # TRL's default is on (a second forward in every backward); ragen-pl's is off
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                           train_dataset=Dataset.from_list([{"prompt": t, "seed": s} for t, s in zip(texts, seeds)]),

@@ -28,15 +28,15 @@ def _datamodule(trainer: pl.Trainer):
 class WeightSync(Callback):
     """After every update, hand the policy's weights to engines that keep their own copy (vLLM).
 
+    The data module also does it before any rollout or evaluation whose engine holds other weights than the
+    policy's (:meth:`~ragen_pl.data.RolloutDataModule.sync_engine`): a resumed run, a validation from a checkpoint.
     Engines that sample with the policy's own modules (the embedded ``hf`` engine) share the weights already, and
     this callback does nothing for them.
     """
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        engine = _datamodule(trainer).engine
-        if getattr(engine, "needs_weight_sync", False):
-            engine.load_weights(pl_module.policy_state_dict())
+        _datamodule(trainer).sync_engine(pl_module)
 
 
 class ValidateAtStart(Callback):

@@ -115,6 +115,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 raise ValueError(f"`data.{name}` must have distinct tags (set `tag:` on variants), got {tags}")
         self.n_groups, self.group_size = n_groups, group_size
         self.engine = engine if engine is not None else HFEngine()
+        self._engine_weights: int | None = None  # the module's weights_version the engine last got
         self.filter = filter if filter is not None else VarianceTopP()
         self.rollout_config = rollout or RolloutConfig()
         self.val_envs = list(val_envs) if val_envs else list(self.envs)
@@ -190,11 +191,29 @@ class RolloutDataModule(pl.LightningDataModule):
             # The strategy replaced the policy after `setup` (FSDP1 wraps it in `configure_model`): sample with the
             # wrapped one, whose forward gathers the shards.
             self.engine.bind(module.policy, module.tokenizer)
+        if module is not None:
+            self.sync_engine(module)
         self.engine.wake_up()
         try:
             return self.collector.collect(specs, temperature=temperature)
         finally:
             self.engine.sleep()
+
+    def sync_engine(self, module) -> None:
+        """Hand the policy's weights to an engine that keeps its own copy, if they changed since it got them.
+
+        The module counts its weight changes (``weights_version``: optimiser steps, checkpoint loads); an engine
+        built from the model path has never been given weights, so a resumed run or a validation from a checkpoint
+        syncs before its first rollout. On several processes every rank calls this at the same points (gathering
+        sharded weights is collective).
+        """
+        if not getattr(self.engine, "needs_weight_sync", False):
+            return
+        version = getattr(module, "weights_version", None)
+        if version is not None and version == self._engine_weights:
+            return
+        self.engine.load_weights(module.policy_state_dict())
+        self._engine_weights = version
 
     def _filter(self, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """(B,) kept rows: the filter keeps whole groups of trajectories (and so every row of a trajectory)."""

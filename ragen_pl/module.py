@@ -238,6 +238,8 @@ class RagenModule(pl.LightningModule):
             self.critic.train()
         self.shuffle = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
+        self.weights_version = 0
+        """Counts changes of the policy's weights (optimiser steps, checkpoint loads), for engines with a copy."""
 
     # ------------------------------------------------------------------------------------------- models
     def _load_causal_lm(self) -> nn.Module:
@@ -610,6 +612,7 @@ class RagenModule(pl.LightningModule):
                 for opt in raw:
                     opt.step()
                 steps += 1
+                self.weights_version += 1
         if scored:  # kept for metrics and for a reused rollout's importance ratio
             batch.old_logprobs = torch.zeros_like(batch.rewards, dtype=torch.float32)
             for rows, lp in scored:
@@ -640,6 +643,7 @@ class RagenModule(pl.LightningModule):
         if "shuffle" in state:
             self.shuffle.set_state(state["shuffle"])
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.weights_version += 1  # the checkpoint's weights replace the current ones
 
 
 def _init_args(obj: object) -> dict[str, Any]:
