@@ -117,3 +117,26 @@ def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
     adv, _ = GRPO()(padded)
     torch.testing.assert_close(adv[:2], GRPO()(batch.select(keep))[0])  # padding changes no real advantage
     assert adv[2:].abs().sum() == 0
+
+
+def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_path):
+    """FSDP2 on 2 CPU processes: the hf engine samples a sharded policy through an unsharded copy, without a single
+    all-gather while sampling and without ranks waiting for each other, and gets the unsharded model's tokens (the
+    sharded model sampling itself, in lockstep, gets them too)."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharded_sampling_worker.py"), str(rank), "2",
+                               str(port), str(tiny_model_path), str(tmp_path / f"rank{rank}.json")],
+                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["copied"] == r["expected"] == r["itself"]
+        assert r["gathers_while_sampling"] == 0

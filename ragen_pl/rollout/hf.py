@@ -51,19 +51,27 @@ class HFEngine(RolloutEngine):
     shares_policy = True
     """Samples with the trained policy's own modules (no weight sync; re-bound if the strategy wraps the policy)."""
 
-    def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True) -> None:
+    def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True,
+                 gather_sharded: bool = True) -> None:
         """
         Args:
             seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
-            sync_ranks: keep every rank stepping until all are done (needed when parameters are sharded);
+            sync_ranks: keep every rank stepping until all are done (needed when a sharded model samples itself);
                 ``None`` turns it on whenever torch.distributed is initialised.
             cuda_graphs: on a CUDA device (and unsharded), decode with a static KV cache and the step replayed as a
                 CUDA graph (:mod:`ragen_pl.rollout.static`); falls back to the eager loop, with a warning, if the
                 model cannot be captured.
+            gather_sharded: a sharded policy (FSDP1, FSDP2) samples through an unsharded copy of its weights on
+                each process, refreshed whenever they change (once per update): one gather per iteration instead
+                of one per layer and decode step, no collective while sampling (ranks need not step together), and
+                CUDA graphs apply. Costs one full copy of the policy's weights per process; false samples with the
+                sharded model itself.
         """
         self.seed = seed
         self.sync_ranks = sync_ranks
         self.cuda_graphs = cuda_graphs
+        self.gather_sharded = gather_sharded
+        self._copy: nn.Module | None = None
         self._graphs_failed = False
         self.model: nn.Module | None = None
         self.tokenizer = None
@@ -74,6 +82,29 @@ class HFEngine(RolloutEngine):
     def bind(self, model: nn.Module, tokenizer) -> None:
         # No generator yet: Lightning binds the engine in `setup`, before it moves the model to its device.
         self.model, self.tokenizer = model, tokenizer
+
+    # ---- sharded policies: sample through an unsharded copy
+    @property
+    def needs_weight_sync(self) -> bool:
+        """True while the bound policy is sharded and sampled through a copy (see ``gather_sharded``)."""
+        return self.gather_sharded and self.model is not None and _is_sharded(self.model)
+
+    def load_weights(self, state_dict) -> None:
+        """The sharded policy's full weights (``RagenModule.policy_state_dict``): build or refresh the copy."""
+        if not self.needs_weight_sync:
+            return
+        if self._copy is None:
+            self._copy = _unsharded_copy(self.model, state_dict)
+        else:
+            self._copy.load_state_dict(state_dict)
+
+    def _sampling_model(self) -> nn.Module:
+        if not self.needs_weight_sync:
+            return self.model
+        if self._copy is None:
+            raise RuntimeError("HFEngine: a sharded policy samples through its unsharded copy, which needs "
+                               "load_weights(policy_state_dict) first (RolloutDataModule.sync_engine does it)")
+        return self._copy
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The seeded generator on ``device`` (torch.multinomial needs one on the device of its input).
@@ -113,9 +144,9 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before bind(model, tokenizer)")
-        model, tok = self.model, self.tokenizer
+        model, tok = self._sampling_model(), self.tokenizer
         device = next(model.parameters()).device
-        sync = self._sync()
+        sync = self._sync() and model is self.model  # a private copy samples without collectives
         was_training = model.training
         model.eval()
         try:
@@ -255,6 +286,32 @@ class _Outputs:
 
     def generations(self) -> list[Generation]:
         return [Generation(t, lp, r) for t, lp, r in zip(self.tokens, self.logprobs, self.reasons)]  # type: ignore[arg-type]
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FullyShardedDataParallel, FSDPModule))
+
+
+def _unsharded_copy(model: nn.Module, state_dict) -> nn.Module:
+    """A plain transformers model of ``model``'s architecture holding ``state_dict``, on the device it computes on.
+
+    The weights keep their dtype (fp32 masters under bf16-mixed: sampling then autocasts as the policy's forward
+    does). LoRA adapters arrive merged in ``state_dict``, so the copy is the base architecture.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    base = model.module if isinstance(model, FullyShardedDataParallel) else model
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    device = (model.compute_device if isinstance(model, FullyShardedDataParallel)
+              else next(model.parameters()).device)
+    dtype = next(v.dtype for v in state_dict.values() if v.is_floating_point())
+    with torch.device(device):
+        copy = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
+    copy.load_state_dict(state_dict)
+    return copy.eval().requires_grad_(False)
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
