@@ -12,32 +12,33 @@ from ragen_pl.envs.bandit import Bandit
 from ragen_pl.filters import NoFilter
 from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
 from ragen_pl.rollout.collector import RolloutConfig
+from ragen_pl.rollout.engine import RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
 
 
-class CopyEngine(HFEngine):
+class CopyEngine(RolloutEngine):
     """Samples with its own copy of the policy, built at bind (as vLLM loads the model path) and refreshed only
     through ``load_weights``. Before every generate it records how far its copy is from the module's policy."""
 
     needs_weight_sync = True
-    shares_policy = False
 
     def __init__(self, module: RagenModule) -> None:
-        super().__init__(seed=0)
         self.module, self.gaps, self.loads = module, [], 0
+        self.inner = HFEngine(seed=0)
 
     def bind(self, model, tokenizer) -> None:
-        super().bind(copy.deepcopy(model), tokenizer)
+        self.copy = copy.deepcopy(model)
+        self.inner.bind(self.copy, tokenizer)
 
     def load_weights(self, state_dict) -> None:
         self.loads += 1
-        self.model.load_state_dict(state_dict)
+        self.copy.load_state_dict(state_dict)
 
     def generate(self, prompts, params):
         policy = dict(self.module.policy.named_parameters())
         with torch.no_grad():
-            self.gaps.append(max(float((p - policy[n]).abs().max()) for n, p in self.model.named_parameters()))
-        return super().generate(prompts, params)
+            self.gaps.append(max(float((p - policy[n]).abs().max()) for n, p in self.copy.named_parameters()))
+        return self.inner.generate(prompts, params)
 
 
 def make(model_path):
