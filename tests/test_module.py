@@ -37,6 +37,9 @@ def test_two_steps_change_every_trainable_parameter(tiny_model_path, advantage):
     m = t.callback_metrics
     for key in ("loss/policy", "loss/entropy", "actor/grad_norm", "rollout/success", "filter/kept_frac"):
         assert torch.isfinite(m[key]), key
+    # The iteration's wall time covers its parts: rollout (generation, env, tokenisation), filter, prepare, update.
+    parts = sum(float(v) for k, v in m.items() if k.startswith("time/") and k != "time/iteration")
+    assert parts <= float(m["time/iteration"]) < parts + 5.0
     unchanged = [n for n, p in module.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
     assert not unchanged, f"parameters that did not change: {unchanged[:5]}"
     if not type(advantage).needs_critic:
