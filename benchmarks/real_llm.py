@@ -64,7 +64,10 @@ def main() -> int:
     for seed in args.seeds:
         save = Path(tempfile.mkdtemp(prefix=f"ragen-pl-real-llm-{seed}-"))
         t = time.perf_counter()
+        # A seed moves the env states and payouts (data.seed), the sampling (the engine's generator) and the
+        # mini-batch order.
         code = cli(["fit", "--config", str(CONFIG), f"--seed_everything={seed}", f"--data.seed={1000 * seed}",
+                    "--data.engine=ragen_pl.rollout.hf.HFEngine", f"--data.engine.seed={seed}", f"--model.seed={seed}",
                     f"--trainer.max_steps={args.steps}", f"--trainer.logger.init_args.save_dir={save}",
                     "--trainer.enable_checkpointing=false"])
         if code:

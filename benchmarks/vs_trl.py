@@ -157,6 +157,8 @@ def run_ragen(kind: str, steps: int, eval_every: int, scale: str, seed: int) -> 
     if kind == "grpo":
         flags += ["--model.advantage=ragen_pl.advantages.GRPO", f"--model.advantage.scale={scale}",
                   "--model.ppo.entropy_coeff=0"]
+    # The seed moves the sampling (the engine's generator) and the mini-batch order; the env seeds stay TRL's.
+    flags += ["--data.engine=ragen_pl.rollout.hf.HFEngine", f"--data.engine.seed={seed}", f"--model.seed={seed}"]
     code = cli(["fit", "--config", str(CONFIG), *flags, f"--seed_everything={seed}", "--data.seed=0",
                 f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={eval_every}",
                 f"--trainer.logger.init_args.save_dir={save}", "--trainer.enable_checkpointing=false",
