@@ -22,9 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from smollm2_bandit import CONFIG, GOAL, curve, evaluate, first_at_goal  # noqa: E402
-
-WARM = "ragen-pl/smollm2-135m-warm-bandit"
+from smollm2_bandit import CONFIG, GOAL, curve, evaluate, first_at_goal, read_metrics  # noqa: E402
 
 
 def raw_level() -> dict[str, float]:
@@ -73,7 +71,7 @@ def main() -> int:
         if code:
             return code
         fit_s = time.perf_counter() - t
-        points = curve(next(save.glob("*/version_*/metrics.csv")))
+        points = curve(read_metrics(save))
         print(f"\nseed {seed}: {'iteration':>9} {'training s':>10} {'success':>8}")
         for p in points:
             print(f"{'':8}{p['iteration']:>9} {p['train_s']:>10.0f} {p['success']:>8.3f}")

@@ -46,18 +46,21 @@ def evaluate(model, tokenizer, episodes: int | None = None) -> dict[str, float]:
     return {"success": float(m["success"]), "format_error_rate": float(m["format_error_rate"])}
 
 
-def curve(metrics_csv: Path) -> list[dict[str, float]]:
-    """Per iteration: cumulative training seconds (rollout + update) and the evaluation success where measured."""
-    with open(metrics_csv) as f:
-        rows = list(csv.DictReader(f))
+def read_metrics(run: Path) -> list[dict[str, str]]:
+    """The rows of the metrics.csv that ``ragen-pl fit`` wrote under the logger folder ``run``."""
+    with open(next(run.glob("*/version_*/metrics.csv"))) as f:
+        return list(csv.DictReader(f))
+
+
+def curve(rows: list[dict[str, str]]) -> list[dict[str, float]]:
+    """Per evaluation: the iterations so far, their training seconds (rollout + update) and the success."""
     points, elapsed, it = [], 0.0, 0
     for r in rows:
         if r.get("time/iteration"):
             elapsed += float(r["time/iteration"])
             it = int(r["step"]) + 1
         if r.get("val/Bandit/success"):
-            points.append({"iteration": it if elapsed else 0, "train_s": elapsed,
-                           "success": float(r["val/Bandit/success"])})
+            points.append({"iteration": it, "train_s": elapsed, "success": float(r["val/Bandit/success"])})
     return points
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from smollm2_bandit import CONFIG, GOAL, curve, evaluate, first_at_goal, rollout_config  # noqa: E402
+from smollm2_bandit import CONFIG, GOAL, curve, evaluate, first_at_goal, read_metrics, rollout_config  # noqa: E402
 
 WARM = "ragen-pl/smollm2-135m-warm-bandit"
 PROMPTS, ANSWERS = 8, 4
@@ -143,8 +143,6 @@ def run_trl(steps: int, eval_every: int, scale: str, seed: int) -> dict:
 
 
 def run_ragen(kind: str, steps: int, eval_every: int, scale: str, seed: int) -> dict:
-    import csv
-
     from ragen_pl.cli import main as cli
 
     save = Path(tempfile.mkdtemp(prefix=f"ragen-pl-vs-trl-{kind}-"))
@@ -165,10 +163,9 @@ def run_ragen(kind: str, steps: int, eval_every: int, scale: str, seed: int) -> 
                 f"--trainer.callbacks+={stop}"])
     if code:
         raise SystemExit(code)
-    metrics = next(save.glob("*/version_*/metrics.csv"))
-    with open(metrics) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("time/iteration")]
-    points = curve(metrics)
+    rows = read_metrics(save)
+    points = curve(rows)
+    rows = [r for r in rows if r.get("time/iteration")]  # the training steps
     return {"points": points, "train_s": sum(float(r["time/iteration"]) for r in rows), "steps": len(rows),
             "tokens": sum(float(r["rollout/response_tokens"]) * PROMPTS * ANSWERS for r in rows),
             "gen_s": sum(float(r["time/rollout_generate"]) for r in rows)}

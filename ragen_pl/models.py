@@ -18,7 +18,6 @@ Anything else (a hub id, a local folder) is returned unchanged.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -81,6 +80,7 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     import json
     from dataclasses import asdict
 
+    from ragen_pl import registry
     from ragen_pl.rollout.collector import RolloutConfig
     from ragen_pl.sft import demonstrations, sft
     from ragen_pl.tiny import _replace, cache_dir
@@ -91,8 +91,7 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     out = cache_dir() / f"smollm2-135m-warm-{env}-{key}"
     if (out / "config.json").exists() and not overwrite:
         return out
-    module, cls = recipe.env.rsplit(".", 1)
-    records = demonstrations([getattr(importlib.import_module(module), cls)(**recipe.env_args)], recipe.episodes,
+    records = demonstrations([registry.resolve("envs", recipe.env, **recipe.env_args)], recipe.episodes,
                              RolloutConfig(**recipe.rollout), seed=0)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)

@@ -362,15 +362,10 @@ class RagenModule(pl.LightningModule):
         Only the positions in ``mask`` go through the LM head and the float32 log-softmax, so no (B, T, V) tensor
         is built.
         """
+        out, logits, labels = scored_logits(model, ids, attn, mask, use_cache=False, output_hidden_states=values)
+        logits = logits / self.ppo.temperature  # (N, V)
+        lp = logprobs_from_logits(logits, labels)
         target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
-        # The LM head runs only at positions some row scores: prompts and env text need no logits (for a 0.5B
-        # Qwen the head is over a quarter of the model's FLOPs, and (B, T, V) logits are gigabytes).
-        cols = target.any(0).nonzero().squeeze(-1)
-        out = model(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=values,
-                    logits_to_keep=cols)
-        keep = target[:, cols]
-        logits = out.logits[keep] / self.ppo.temperature  # (N, V)
-        lp = logprobs_from_logits(logits, ids[:, 1:][:, cols][keep])
         pad = torch.zeros_like(mask[:, :1], dtype=torch.float32)
         result = {"logprobs": torch.cat([pad, torch.zeros_like(target, dtype=lp.dtype).masked_scatter(target, lp)], 1)}
         if entropy:
@@ -646,6 +641,20 @@ class RagenModule(pl.LightningModule):
         self.weights_version += 1  # the checkpoint's weights replace the current ones
 
 
+def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
+    """Forward ``model`` with its LM head run only where a token of ``mask`` is scored.
+
+    Prompts and env text need no logits: for a 0.5B Qwen the head is over a quarter of the model's FLOPs, and
+    (B, T, V) logits are gigabytes. Returns the model output, the (N, V) logits scoring the N tokens of ``mask``
+    (row-major order, as ``mask[:, 1:]`` lists them) and those N token ids.
+    """
+    target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
+    cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
+    out = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **kwargs)
+    keep = target[:, cols]
+    return out, out.logits[keep], ids[:, 1:][:, cols][keep]
+
+
 def _init_args(obj: object) -> dict[str, Any]:
     """The plain-valued constructor arguments an object keeps as attributes (for the checkpoint's hparams)."""
     import inspect
@@ -680,4 +689,4 @@ def _full(x: Tensor) -> Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-__all__ = ["LoraSettings", "OptimConfig", "PPOConfig", "RagenModule", "ValueModel"]
+__all__ = ["LoraSettings", "OptimConfig", "PPOConfig", "RagenModule", "ValueModel", "scored_logits"]

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from ragen_pl.envs.base import Env
+from ragen_pl.module import scored_logits
 from ragen_pl.rollout.collector import ChatTokens, RolloutConfig
 from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message
 
@@ -103,12 +104,8 @@ class SFTModule(pl.LightningModule):
         self.model, self.lr, self.warmup_steps = model, lr, warmup_steps
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        target = batch["loss_mask"][:, 1:]
-        cols = target.any(0).nonzero().squeeze(-1)  # the LM head runs only where an assistant token is predicted
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            logits_to_keep=cols).logits
-        keep = target[:, cols]
-        loss = torch.nn.functional.cross_entropy(logits[keep].float(), batch["input_ids"][:, 1:][:, cols][keep])
+        _, logits, labels = scored_logits(self.model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
         self.log("sft/loss", loss, prog_bar=True)
         return loss
 
