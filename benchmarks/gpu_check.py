@@ -7,7 +7,8 @@ the model has the Qwen2.5-0.5B shape with random weights, built locally with the
    with the ``hf`` engine, a bare ``model.generate`` on the same left-padded batch, and vLLM where installed.
 2. Training: ``ragen-pl fit`` on Sokoban (bf16 mixed precision, float32 master weights, PPO with a separate critic)
    for ``--steps`` iterations under one GPU without sharding, Lightning's FSDPStrategy (FSDP1) and
-   ModelParallelStrategy (FSDP2). Per strategy: iteration time (median over iterations after the first), the
+   ModelParallelStrategy (FSDP2), and once more on one GPU with the engine's kept prefixes off (every turn's prompt
+   prefilled whole). Per strategy: iteration time (median over iterations after the first), the
    generation share, rollout tokens/s, update tokens/s, MFU (6 x trained parameters x update tokens/s over the GPU's
    dense bf16 peak) and peak memory.
 
@@ -137,6 +138,9 @@ STRATEGY_ARGS = {
     "FSDP1": ["--config", str(ROOT / "configs" / "variants" / "fsdp.yaml")],
     "FSDP2": ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml"), "--trainer.precision=bf16-mixed",
               "--trainer.strategy.init_args.data_parallel_size=1"],
+    # The same as "1 GPU" with every turn's prompt prefilled whole: what the engine's kept prefixes save.
+    "1 GPU, no kept prefix": ["--trainer.precision=bf16-mixed", "--data.engine=ragen_pl.rollout.hf.HFEngine",
+                              "--data.engine.prefix_cache=false"],
 }
 
 
@@ -211,17 +215,17 @@ def main() -> None:
     for k, v in rates.items():
         print(f"  {k:<16}{v:>10.0f} tokens/s" if v == v else f"  {k:<16}{'n/a':>10} (not installed)")
     print(f"  hf / generate   {rates['hf engine'] / rates['model.generate']:>10.2f}", flush=True)
-    strategies = args.strategies if device == "cuda" else ["1 GPU"]  # Lightning's FSDP1 refuses the CPU
+    strategies = args.strategies if device == "cuda" else ["1 GPU", "1 GPU, no kept prefix"]  # FSDP1 refuses CPUs
     results = {s: fit(path, work, s, args.steps, device, 2 * n_params, peak) for s in strategies}
     print(f"\ntraining, Sokoban, 32 trajectories x 3 turns x 64 tokens, PPO with a separate critic, {args.steps} "
           f"iterations (medians after the first):")
-    head = f"  {'strategy':<8}{'iteration s':>12}{'generate s':>11}{'rollout tok/s':>14}{'update tok/s':>13}{'MFU':>7}{'peak GiB':>9}"
+    head = f"  {'strategy':<22}{'iteration s':>12}{'generate s':>11}{'rollout tok/s':>14}{'update tok/s':>13}{'MFU':>7}{'peak GiB':>9}"
     print(head)
     for s, r in results.items():
         if r.get("failed"):
-            print(f"  {s:<8}{'failed':>12}")
+            print(f"  {s:<22}{'failed':>12}")
             continue
-        print(f"  {s:<8}{r['iteration']:>12.2f}{r['generate']:>11.2f}{r['rollout_tps']:>14.0f}{r['update_tps']:>13.0f}"
+        print(f"  {s:<22}{r['iteration']:>12.2f}{r['generate']:>11.2f}{r['rollout_tps']:>14.0f}{r['update_tps']:>13.0f}"
               f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>9.2f}")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if any(r.get("failed") for r in results.values()):

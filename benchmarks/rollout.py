@@ -1,6 +1,8 @@
 """Rollout wall time split into generation, env stepping and tokenisation, and the hf engine against bare generate.
 
-Part 1 plays 128 Sokoban trajectories (8 groups x 16) with the tiny model and prints where the time went.
+Part 1 plays 128 Sokoban trajectories (8 groups x 16) with the tiny model and prints where the time went, with the
+``hf`` engine's kept prefixes on and off, alternating: a turn's prompt extends the previous turn's, so with them on
+only the env's message is prefilled. Both sample the same tokens (the engine's seed is the same).
 Part 2 measures tokens/s of the ``hf`` engine and of a bare ``model.generate`` call on the same batch of prompts,
 side by side, alternating, several repeats (the machine is shared and noisy: compare the medians). Both sample with
 a KV cache and left padding; ``min_new_tokens`` makes both produce the same number of tokens. Target: the engine
@@ -39,23 +41,34 @@ def main() -> None:
     path = build_tiny_model()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    engine = HFEngine(seed=0)
-    engine.bind(model, tok)
 
-    # Part 1: a full multi-turn rollout.
+    # Part 1: a full multi-turn rollout, kept prefixes on and off.
     config = warm_start_rollout()
     config.max_new_tokens = args.new_tokens
     groups = max(1, args.trajectories // 16)
     specs = [EpisodeSpec(Sokoban(), seed=g, group_id=g) for g in range(groups) for _ in range(16)]
-    start = time.perf_counter()
-    result = Collector(engine, tok, config).collect(specs)
-    wall = time.perf_counter() - start
-    t = result.timings
-    other = wall - sum(t.values())
-    print(f"rollout: {len(specs)} trajectories, {config.max_turns} turns max, {args.new_tokens} tokens per turn max, "
-          f"{int(result.batch.loss_mask.sum())} tokens sampled, {wall:.2f}s")
-    for name, secs in [*t.items(), ("other", other)]:
-        print(f"  {name:<10}{secs:8.3f}s {100 * secs / wall:6.1f}%")
+    runs: dict[bool, list[tuple[float, dict, int, int]]] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for keep in (True, False):
+            engine = HFEngine(seed=0, prefix_cache=keep)
+            engine.bind(model, tok)
+            start = time.perf_counter()
+            result = Collector(engine, tok, config).collect(specs)
+            wall = time.perf_counter() - start
+            runs[keep].append((wall, result.timings, engine.prefilled_tokens, int(result.batch.loss_mask.sum())))
+    for keep, label in ((True, "kept prefixes"), (False, "whole prompts")):
+        wall, t, fed, sampled = sorted(runs[keep], key=lambda r: r[0])[len(runs[keep]) // 2]  # the median run
+        print(f"rollout, {label}: {len(specs)} trajectories, {config.max_turns} turns max, {args.new_tokens} tokens "
+              f"per turn max, {sampled} tokens sampled, {fed} prompt tokens prefilled ({fed / sampled:.1f} per "
+              f"sampled), {wall:.2f}s (median of {args.repeats}; runs "
+              f"{', '.join(f'{r[0]:.2f}' for r in runs[keep])})")
+        for name, secs in [*t.items(), ("other", wall - sum(t.values()))]:
+            print(f"  {name:<10}{secs:8.3f}s {100 * secs / wall:6.1f}%")
+    kept_gen = statistics.median(r[1]["generate"] for r in runs[True])
+    whole_gen = statistics.median(r[1]["generate"] for r in runs[False])
+    print(f"generation time, kept / whole: {kept_gen / whole_gen:.2f}\n")
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
 
     # Part 2: the hf engine against bare model.generate on the same prompts.
     prompts = [list(p) for p in (ep.chat.ids for ep in result.episodes)][: args.trajectories]

@@ -40,6 +40,9 @@ class CopyEngine(RolloutEngine):
             self.gaps.append(max(float((p - policy[n]).abs().max()) for n, p in self.copy.named_parameters()))
         return self.inner.generate(prompts, params)
 
+    def end_rollout(self) -> None:
+        self.inner.end_rollout()
+
 
 def make(model_path):
     module = RagenModule(str(model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4),

@@ -323,16 +323,19 @@ class Collector:
             episodes.append(ep)
 
         params = c.sampling_params(temperature)
-        for turn in range(c.max_turns):
-            live = [ep for ep in episodes if not ep.done]
-            t1 = time.perf_counter()
-            prompts = [ep.chat.prompt_ids() for ep in live]  # type: ignore[union-attr]
-            t0 = time.perf_counter()
-            timings["tokenize"] += t0 - t1
-            gens = self.engine.generate(prompts, params)
-            timings["generate"] += time.perf_counter() - t0
-            for ep, gen in zip(live, gens):
-                self._play_turn(ep, gen, turn, timings)
+        try:
+            for turn in range(c.max_turns):
+                live = [ep for ep in episodes if not ep.done]
+                t1 = time.perf_counter()
+                prompts = [ep.chat.prompt_ids() for ep in live]  # type: ignore[union-attr]
+                t0 = time.perf_counter()
+                timings["tokenize"] += t0 - t1
+                gens = self.engine.generate(prompts, params)
+                timings["generate"] += time.perf_counter() - t0
+                for ep, gen in zip(live, gens):
+                    self._play_turn(ep, gen, turn, timings)
+        finally:
+            self.engine.end_rollout()
         for ep in episodes:
             if not ep.done:
                 ep.done = True

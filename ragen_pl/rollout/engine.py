@@ -62,6 +62,9 @@ class RolloutEngine(ABC):
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:  # noqa: B027 - optional hook
         """Take new policy weights. Engines that share the policy's parameters need nothing."""
 
+    def end_rollout(self) -> None:  # noqa: B027 - optional hook
+        """A rollout's turns are over: drop what was kept between them (the ``hf`` engine's KV prefixes)."""
+
     def sleep(self) -> None:  # noqa: B027 - optional hook
         """Free memory between rollouts, where the engine supports it."""
 

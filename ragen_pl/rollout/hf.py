@@ -5,6 +5,11 @@ every sampled token under the sampling distribution (temperature, top-k and top-
 written out rather than calling ``model.generate`` so that per-token log-probs cost one gather instead of keeping
 ``(B, V)`` scores for every step, and so that finished rows leave the batch (and the KV cache) at once.
 
+A multi-turn prompt extends the previous turn's prompt and answer. The engine keeps the KV of every sequence a
+``generate`` call fed (:class:`PrefixCache`) until the next call, so that the next turn prefills only what is new
+(the env's message): a Sokoban rollout otherwise feeds the model about 25 prompt tokens per sampled one. The
+collector ends each rollout with :meth:`HFEngine.end_rollout`, and new weights clear the cache as well.
+
 Under FSDP every rank must run the same number of forward passes (each all-gathers parameters), so with
 ``sync_ranks`` a rank that has finished keeps stepping with a one-token dummy input until every rank is done.
 """
@@ -12,10 +17,12 @@ Under FSDP every rank must run the same number of forward passes (each all-gathe
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 
@@ -52,7 +59,7 @@ class HFEngine(RolloutEngine):
     """Samples with the trained policy's own modules (no weight sync; re-bound if the strategy wraps the policy)."""
 
     def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True,
-                 gather_sharded: bool = True) -> None:
+                 gather_sharded: bool = True, prefix_cache: bool = True) -> None:
         """
         Args:
             seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
@@ -66,6 +73,9 @@ class HFEngine(RolloutEngine):
                 of one per layer and decode step, no collective while sampling (ranks need not step together), and
                 CUDA graphs apply. Costs one full copy of the policy's weights per process; false samples with the
                 sharded model itself.
+            prefix_cache: keep the KV of what each call fed until the next call, and prefill only the part of a
+                prompt past the longest kept sequence it starts with (a conversation's next turn). Costs the KV of
+                one turn's sequences between calls; false prefills every prompt whole.
         """
         self.seed = seed
         self.sync_ranks = sync_ranks
@@ -78,10 +88,19 @@ class HFEngine(RolloutEngine):
         self.generator: torch.Generator | None = None
         """The sampling generator, made on the model's device at the first ``generate`` (see ``_generator``)."""
         self._pending_state: dict | None = None
+        self.prefix = PrefixCache() if prefix_cache else None
+        self.prefilled_tokens = 0
+        """Prompt tokens fed to the model so far (a kept prefix is not fed again); for benchmarks and tests."""
 
     def bind(self, model: nn.Module, tokenizer) -> None:
         # No generator yet: Lightning binds the engine in `setup`, before it moves the model to its device.
         self.model, self.tokenizer = model, tokenizer
+        self.end_rollout()
+
+    def end_rollout(self) -> None:
+        """Forget the kept prefixes (their KV belongs to the weights that computed it)."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     # ---- sharded policies: sample through an unsharded copy
     @property
@@ -93,6 +112,7 @@ class HFEngine(RolloutEngine):
         """The sharded policy's full weights (``RagenModule.policy_state_dict``): build or refresh the copy."""
         if not self.needs_weight_sync:
             return
+        self.end_rollout()
         if self._copy is None:
             self._copy = _unsharded_copy(self.model, state_dict)
         else:
@@ -173,6 +193,37 @@ class HFEngine(RolloutEngine):
             attention[i, width - len(p):] = 1
         return input_ids.to(device), attention.to(device)
 
+    def _prefill_inputs(self, tok, prompts: list[list[int]], device: torch.device):
+        """What the prefill of ``prompts`` feeds, after taking each one's longest kept prefix (C columns at most).
+
+        Returns ``input_ids`` (n, S), each prompt past its kept prefix, left-padded; ``attention`` (n, C + S), its
+        real columns: the kept prefix right-aligned in the first C, then the fed tokens; ``past``: each layer's
+        kept (keys, values), (n, H, C, D), or None when nothing was kept.
+        """
+        hits = self.prefix.take(prompts) if self.prefix is not None else [None] * len(prompts)
+        kept = [0 if h is None else len(h.tokens) for h in hits]
+        input_ids, fed = self._left_padded(tok, [p[c:] for p, c in zip(prompts, kept)], device)
+        self.prefilled_tokens += int(sum(len(p) - c for p, c in zip(prompts, kept)))
+        width = max(kept)
+        if width == 0:
+            return input_ids, fed, None
+        columns = torch.arange(width)
+        cached = (columns >= width - torch.tensor(kept)[:, None]).to(device=device, dtype=fed.dtype)
+        example = next(h for h in hits if h is not None).layers
+        past = []
+        for layer, (k0, v0) in enumerate(example):
+            rows_k = [h.layers[layer][0] if h else k0[:, :0] for h in hits]
+            rows_v = [h.layers[layer][1] if h else v0[:, :0] for h in hits]
+            past.append((_stack_left(rows_k), _stack_left(rows_v)))
+        return input_ids, torch.cat([cached, fed], dim=-1), past
+
+    def _keep(self, prompt: list[int], sampled: list[int], layers: list[tuple[Tensor, Tensor]], row: int,
+              columns: Tensor) -> None:
+        """Keep what one row fed (``prompt`` and all but its newest sampled token): its KV at ``columns``."""
+        if self.prefix is not None and sampled:
+            self.prefix.add(prompt + sampled[:-1], [(k[row].index_select(1, columns), v[row].index_select(1, columns))
+                                                   for k, v in layers])
+
     def _generate_static(self, model, tok, prompts, params, device, capture: bool,
                          sync_every: int = 8) -> list[Generation]:
         """Static KV cache, all rows stepping together (finished ones ignored), optionally as a CUDA graph.
@@ -187,9 +238,9 @@ class HFEngine(RolloutEngine):
         n = len(prompts)
         generator = self._generator(device)
         distinct, rows = _distinct(prompts)
-        input_ids, attention = self._left_padded(tok, distinct, device)
+        input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
         decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture,
-                                rows=torch.tensor(rows, device=device) if len(distinct) < n else None)
+                                rows=torch.tensor(rows, device=device) if len(distinct) < n else None, past=past)
         out = _Outputs(n, tok, params)
         live = list(range(n))
         logits = decoder.first_logits
@@ -207,6 +258,12 @@ class HFEngine(RolloutEngine):
                 if not live or last:
                     break
             logits = decoder.step(ids)
+        if self.prefix is not None:
+            layers, width = decoder.kv.layers(), decoder.width
+            for i in range(n):  # row i fed its prompt's real columns, then one column per sampled token but the last
+                columns = torch.cat([decoder.prompt_columns[i].nonzero().squeeze(-1),
+                                     torch.arange(width, width + len(out.tokens[i]) - 1, device=device)])
+                self._keep(prompts[i], out.tokens[i], layers, i, columns)
         return out.generations()
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
@@ -225,8 +282,10 @@ class HFEngine(RolloutEngine):
         if n:
             # Identical prompts (a group's first turn) are prefilled once; their KV rows are then copied.
             distinct, inverse = _distinct(prompts)
-            input_ids, attention = self._left_padded(tok, distinct, device)
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
+            if past is not None:
+                cache = DynamicCache(ddp_cache_data=past)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
             logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             if len(distinct) < n:
@@ -241,7 +300,14 @@ class HFEngine(RolloutEngine):
                 ids, lps = sample_next(logits, params, generator)
                 ids_l, lps_l = ids.tolist(), lps.tolist()
                 keep = [j for j, i in enumerate(rows) if not out.record(i, ids_l[j], lps_l[j])]
+                if step == params.max_new_tokens - 1:
+                    keep = []  # out of tokens: every row is done
                 if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
+                    if self.prefix is not None:
+                        layers = [(layer.keys, layer.values) for layer in cache.layers]
+                        for j in sorted(set(range(len(rows))) - set(keep)):
+                            self._keep(prompts[rows[j]], out.tokens[rows[j]], layers, j,
+                                       attention[j].nonzero().squeeze(-1))
                     rows = [rows[j] for j in keep]
                     if keep:
                         index = torch.tensor(keep, device=device)
@@ -286,6 +352,56 @@ class _Outputs:
 
     def generations(self) -> list[Generation]:
         return [Generation(t, lp, r) for t, lp, r in zip(self.tokens, self.logprobs, self.reasons)]  # type: ignore[arg-type]
+
+
+@dataclass
+class _Kept:
+    tokens: list[int]
+    layers: list[tuple[Tensor, Tensor]]
+    """Each layer's (keys, values) of ``tokens``, each (H, len(tokens), D)."""
+
+
+class PrefixCache:
+    """The KV of the sequences one ``generate`` call fed, until the next call takes the longest one each prompt
+    starts with (then all are dropped: a conversation's next turn extends its last turn, never an older one)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, tuple[int, ...]], list[_Kept]] = {}  # (length, last tokens) -> candidates
+        self._lengths: set[int] = set()
+
+    _TAIL = 8
+
+    def add(self, tokens: list[int], layers: list[tuple[Tensor, Tensor]]) -> None:
+        n = len(tokens)
+        self._kept.setdefault((n, tuple(tokens[max(0, n - self._TAIL):])), []).append(_Kept(tokens, layers))
+        self._lengths.add(n)
+
+    def take(self, prompts: list[list[int]]) -> list[_Kept | None]:
+        """For each prompt, the longest kept sequence it starts with and extends (None if none); forget the rest."""
+        lengths = sorted(self._lengths, reverse=True)
+        found: list[_Kept | None] = []
+        for p in prompts:
+            hit = None
+            for n in lengths:
+                if n < len(p):
+                    hit = next((k for k in self._kept.get((n, tuple(p[max(0, n - self._TAIL):n])), ()) if k.tokens == p[:n]),
+                               None)
+                    if hit is not None:
+                        break
+            found.append(hit)
+        self.clear()
+        return found
+
+    def clear(self) -> None:
+        self._kept, self._lengths = {}, set()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._kept.values())
+
+
+def _stack_left(rows: list[Tensor]) -> Tensor:
+    """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
+    return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
 
 
 def _is_sharded(model: nn.Module) -> bool:

@@ -5,7 +5,8 @@ milliseconds, while the GPU needs well under one. Replaying the step as one capt
 cost. A graph fixes every shape and address, so:
 
 * the KV cache is allocated once per ``generate`` call for ``width + max_new_tokens`` columns (:class:`StaticKV`),
-  and each step writes one column, the same for every row (prompts are left-padded to a common width);
+  and each step writes one column, the same for every row (prompts are left-padded to a common width; a prompt
+  whose prefix was kept from the previous turn starts with that prefix's KV, copied in ahead of the fed columns);
 * the attention mask is a boolean 4D ``(B, 1, 1, L)`` tensor handed to the model ready-made (transformers returns a
   4D mask as it is and builds none), and each step flips one column of it on;
 * rows that finish keep decoding (their tokens are ignored): in the decode regime the step costs about the same for
@@ -24,9 +25,10 @@ from torch import Tensor, nn
 class StaticKV:
     """A pre-allocated KV cache with the one method transformers' attention calls: ``update``.
 
-    Prefill (several query tokens) writes columns ``0..q-1``; a decode step (one query token) writes column
-    ``self.column``, a device tensor the caller advances in place, so a captured graph reads the current value.
-    Buffers are made at the first update of each layer, with that layer's dtype, heads and device.
+    Prefill (several query tokens) writes columns ``start..start+q-1``, after the ``start`` columns that
+    :meth:`preload` filled with cached KV; a decode step (one query token) writes column ``self.column``, a device
+    tensor the caller advances in place, so a captured graph reads the current value. Buffers are made by
+    :meth:`preload` or at the first update of each layer, with that layer's dtype, heads and device.
     """
 
     is_compileable = True
@@ -37,6 +39,17 @@ class StaticKV:
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
         self._seen = 0
+        self.start = 0
+
+    def preload(self, past: list[tuple[Tensor, Tensor]]) -> None:
+        """Put each layer's cached (keys, values), each (B, H, C, D), in the first C columns."""
+        for layer, (k, v) in enumerate(past):
+            b, h, c, d = k.shape
+            self.keys[layer] = k.new_zeros(b, h, self.length, d)
+            self.values[layer] = v.new_zeros(b, h, self.length, v.shape[-1])
+            self.keys[layer][:, :, :c] = k
+            self.values[layer][:, :, :c] = v
+            self.start = self._seen = c
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None):
         if layer_idx not in self.keys:
@@ -44,11 +57,11 @@ class StaticKV:
             self.keys[layer_idx] = key_states.new_zeros(b, h, self.length, d)
             self.values[layer_idx] = value_states.new_zeros(b, h, self.length, value_states.shape[-1])
         q = key_states.shape[2]
-        index = self.column if q == 1 else torch.arange(q, device=key_states.device)
+        index = self.column if q == 1 else torch.arange(self.start, self.start + q, device=key_states.device)
         self.keys[layer_idx].index_copy_(2, index, key_states)
         self.values[layer_idx].index_copy_(2, index, value_states)
         if layer_idx == 0:
-            self._seen = q if q > 1 else self._seen + 1
+            self._seen = self.start + q if q > 1 else self._seen + 1
         return self.keys[layer_idx], self.values[layer_idx]
 
     def select_rows(self, index: Tensor) -> None:
@@ -56,6 +69,10 @@ class StaticKV:
         for layer in self.keys:
             self.keys[layer] = self.keys[layer].index_select(0, index)
             self.values[layer] = self.values[layer].index_select(0, index)
+
+    def layers(self) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's (keys, values), each (B, H, length, D)."""
+        return [(self.keys[i], self.values[i]) for i in sorted(self.keys)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
@@ -68,29 +85,36 @@ class StaticDecoder:
     """One ``generate`` call's prefill and decode steps over a :class:`StaticKV`, optionally graph-captured."""
 
     def __init__(self, model: nn.Module, input_ids: Tensor, attention: Tensor, max_new_tokens: int,
-                 capture: bool, rows: Tensor | None = None) -> None:
-        """``input_ids`` / ``attention``: left-padded prompts. With ``rows``, those are distinct prompts, prefilled
-        once each, and the decode batch is ``rows`` (an index into them, repeats allowed)."""
-        n, width = input_ids.shape
+                 capture: bool, rows: Tensor | None = None,
+                 past: list[tuple[Tensor, Tensor]] | None = None) -> None:
+        """``input_ids`` (n, S): the left-padded tokens to feed. ``attention`` (n, C + S): the real columns, the
+        first C those of ``past`` (each layer's cached (keys, values), (n, H, C, D); none when C is 0), the last S
+        those of ``input_ids``. With ``rows``, the n prompts are distinct ones, prefilled once each, and the decode
+        batch is ``rows`` (an index into them, repeats allowed)."""
+        n, fed = input_ids.shape
+        width = attention.shape[1]
         device = input_ids.device
         self.model, self.width = model, width
         self.kv = StaticKV(width + max_new_tokens, device)
+        if past:
+            self.kv.preload(past)
         keys = torch.arange(width + max_new_tokens, device=device)
-        first = width - attention.sum(-1, keepdim=True)  # (n, 1) first real column of each left-padded row
-        # Prefill mask (n, 1, width, L): a query at column j sees the row's real keys up to j. A padding query sees
+        real = torch.cat([attention.bool(), attention.new_zeros(n, max_new_tokens, dtype=torch.bool)], dim=-1)
+        # Prefill mask (n, 1, S, L): a query at column j sees the row's real keys up to j. A padding query sees
         # itself, so that no softmax row is empty (NaN); no real query ever sees a padding key.
-        queries = torch.arange(width, device=device)[:, None]
-        prefill_mask = (keys[None, :] <= queries) & (keys[None, :] >= first[:, :, None])
-        prefill_mask = (prefill_mask | (keys[None, :] == queries))[:, None]
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=input_ids, attention_mask=prefill_mask,
+        queries = torch.arange(width - fed, width, device=device)[:, None]
+        prefill_mask = (real[:, None, :] & (keys[None, :] <= queries)) | (keys[None, :] == queries)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width - fed:]
+        out = model(input_ids=input_ids, attention_mask=prefill_mask[:, None],
                     position_ids=positions, past_key_values=self.kv, use_cache=True, logits_to_keep=1)
         self.first_logits = out.logits[:, -1]
         if rows is not None:
             self.kv.select_rows(rows)
-            first, positions, self.first_logits = first[rows], positions[rows], self.first_logits[rows]
+            real, positions, self.first_logits = real[rows], positions[rows], self.first_logits[rows]
             n = len(rows)
-        self.mask = (keys >= first) & (keys < width)  # (n, L) decode mask: the prompt so far
+        self.prompt_columns = real[:, :width].clone()
+        """(n, width) the real columns of each row's prompt (cached prefix and fed tokens)."""
+        self.mask = real  # (n, L) decode mask: the prompt so far; each step turns one more column on
         self.positions = positions
         # Static inputs of the decode step, updated in place before each step.
         self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)

@@ -22,6 +22,9 @@ class Recording(RolloutEngine):
         self.calls.append(([list(p) for p in prompts], [list(g.token_ids) for g in gens]))
         return gens
 
+    def end_rollout(self):
+        self.inner.end_rollout()
+
 
 class Scripted(RolloutEngine):
     """Answers with fixed texts: `script(turn, prompt_text)` -> completion text after the opening tag."""
@@ -47,6 +50,25 @@ def test_update_sequence_is_exactly_what_was_fed_and_sampled(tiny):
     specs = [EpisodeSpec(Sokoban(), seed=s, group_id=s) for s in range(6)]
     result = Collector(engine, tok, config).collect(specs)
     assert_exact_accounting(engine, result)
+
+
+def test_kept_prefixes_change_nothing_but_the_prefill(tiny):
+    """The same seeded multi-turn rollout with and without the engine's kept prefixes: the same batch, a fraction of
+    the prompt tokens fed, nothing kept once the rollout ends."""
+    model, tok = tiny
+    config = RolloutConfig(max_turns=3, max_new_tokens=10)
+    specs = [EpisodeSpec(Sokoban(), seed=s // 2, group_id=s // 2) for s in range(6)]
+    runs = []
+    for keep in (True, False):
+        engine = HFEngine(seed=4, prefix_cache=keep)
+        engine.bind(model, tok)
+        batch = Collector(engine, tok, config).collect(specs).batch
+        runs.append((batch, engine.prefilled_tokens))
+        assert engine.prefix is None or len(engine.prefix) == 0
+    (kept, fed_kept), (whole, fed_whole) = runs
+    assert torch.equal(kept.input_ids, whole.input_ids) and torch.equal(kept.loss_mask, whole.loss_mask)
+    assert int(kept.turn_ids.max()) == 2  # some trajectory reached the third turn
+    assert fed_kept < 0.6 * fed_whole
 
 
 def assert_exact_accounting(engine: Recording, result) -> None:

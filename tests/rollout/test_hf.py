@@ -196,3 +196,66 @@ def test_static_path_host_syncs_in_chunks_without_changing_tokens(tiny):
         runs.append([(g.token_ids, g.logprobs, g.finish_reason) for g in gens])
     assert all(r == runs[0] for r in runs[1:])
     assert {reason for _, _, reason in runs[0]} & {"stop", "eos"}  # some rows ended early, mid-chunk
+
+
+def _turns(engine, tok, first: list[list[int]], replies: list[str], static: bool) -> list[list]:
+    """Play len(replies) + 1 greedy turns: each next prompt is the last prompt, its answer and a reply."""
+    params = SamplingParams(temperature=0, max_new_tokens=5, stop=[])
+    prompts, turns = first, []
+    for turn in range(len(replies) + 1):
+        if static:
+            with torch.no_grad():
+                gens = engine._generate_static(engine.model, tok, prompts, params, torch.device("cpu"), capture=False)
+        else:
+            gens = engine.generate(prompts, params)
+        turns.append((prompts, gens))
+        if turn < len(replies):
+            # Rows get replies of different lengths (left padding inside the kept prefix); the last row restarts.
+            prompts = [p + g.token_ids + tok(replies[turn] * (1 + i % 3))["input_ids"] for i, (p, g) in
+                       enumerate(zip(prompts, gens))]
+            prompts[-1] = tok(f"Turn {turn}: a fresh prompt")["input_ids"]
+    return turns
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_next_turn_prefills_only_what_is_new_with_the_same_answers(tiny, static):
+    """A kept prefix changes nothing but the work: the same tokens and log-probs as prefilling every prompt whole
+    (and as one full forward), while each continued row feeds only its reply and its previous last token."""
+    model, tok = tiny
+    a, b = tok("Turn 1:\nState:\n#_#")["input_ids"], tok("Turn 1:\nState:\n#__#_#_#_#")["input_ids"]
+    first, replies = [a, b, a, b, a], ["\nReward: 1\nState:\n#_", "\n_#_"]
+    kept, whole = HFEngine(), HFEngine(prefix_cache=False)
+    kept.bind(model, tok), whole.bind(model, tok)
+    with_kept, without = _turns(kept, tok, first, replies, static), _turns(whole, tok, first, replies, static)
+    for (prompts, gens), (prompts_ref, gens_ref) in zip(with_kept, without):
+        assert prompts == prompts_ref
+        for p, g, r in zip(prompts, gens, gens_ref):
+            assert g.token_ids == r.token_ids
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=1e-5)
+            assert_logprobs_of_forward(model, p, g)
+    # Prefill work: turn 1 feeds the two distinct prompts; later turns feed, for each continued row, its reply and
+    # its previous answer's last token (sampled, never fed), and the restarted row whole.
+    expected = len(a) + len(b)
+    for (prev, gens), (prompts, _) in zip(with_kept, with_kept[1:]):
+        expected += sum(len(p) - len(q) - len(g.token_ids) + 1 for p, q, g in zip(prompts[:-1], prev, gens))
+        expected += len(prompts[-1])
+    assert kept.prefilled_tokens == expected
+    assert whole.prefilled_tokens == len(a) + len(b) + sum(len(p) for prompts, _ in without[1:] for p in prompts)
+    assert kept.prefilled_tokens < whole.prefilled_tokens / 2
+
+
+def test_kept_prefixes_end_with_the_rollout_and_with_new_weights(tiny):
+    model, tok = tiny
+    engine = HFEngine()
+    engine.bind(model, tok)
+    params = SamplingParams(temperature=0, max_new_tokens=3, stop=[])
+    prompt = tok("Turn 1:\nState:\n#_#")["input_ids"]
+    gen = engine.generate([prompt], params)[0]
+    assert len(engine.prefix) == 1
+    engine.end_rollout()
+    assert len(engine.prefix) == 0
+    before = engine.prefilled_tokens
+    engine.generate([prompt + gen.token_ids + [7]], params)
+    assert engine.prefilled_tokens - before == len(prompt) + len(gen.token_ids) + 1  # whole: nothing was kept
+    engine.bind(model, tok)  # a re-bound policy (the strategy wrapped it) starts afresh
+    assert len(engine.prefix) == 0
