@@ -45,13 +45,18 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
         copied = [g.token_ids for g in engine.generate(prompts, params)]
     finally:
         dist.all_gather_into_tensor = original
+    # Under mixed precision the copy turns to the compute dtype (not cast at every step), and new weights keep it.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = engine.generate(prompts, params)
+    engine.load_weights({k: _full(v) for k, v in model.state_dict().items()})
+    copy_dtype = str(next(engine._copy.parameters()).dtype)
     sharded = HFEngine(seed=rank, gather_sharded=False)  # the sharded model itself, ranks in lockstep
     sharded.bind(model, tok)
     assert not sharded.needs_weight_sync
     itself = [g.token_ids for g in sharded.generate(prompts, params)]
     with open(out, "w") as f:
-        json.dump({"expected": expected, "copied": copied, "itself": itself, "gathers_while_sampling": len(gathers)},
-                  f)
+        json.dump({"expected": expected, "copied": copied, "itself": itself, "gathers_while_sampling": len(gathers),
+                   "mixed_lengths": [len(g.token_ids) for g in mixed], "copy_dtype": copy_dtype}, f)
     dist.destroy_process_group()
 
 

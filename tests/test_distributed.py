@@ -122,7 +122,7 @@ def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
 def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_path):
     """FSDP2 on 2 CPU processes: the hf engine samples a sharded policy through an unsharded copy, without a single
     all-gather while sampling and without ranks waiting for each other, and gets the unsharded model's tokens (the
-    sharded model sampling itself, in lockstep, gets them too)."""
+    sharded model sampling itself, in lockstep, gets them too). Under autocast the copy holds the compute dtype."""
     import json
     import socket
 
@@ -140,3 +140,4 @@ def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_p
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["copied"] == r["expected"] == r["itself"]
         assert r["gathers_while_sampling"] == 0
+        assert r["copy_dtype"] == "torch.bfloat16" and all(n >= 1 for n in r["mixed_lengths"])

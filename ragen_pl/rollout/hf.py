@@ -124,6 +124,14 @@ class HFEngine(RolloutEngine):
         if self._copy is None:
             raise RuntimeError("HFEngine: a sharded policy samples through its unsharded copy, which needs "
                                "load_weights(policy_state_dict) first (RolloutDataModule.sync_engine does it)")
+        # Under mixed precision the copy holds the compute dtype. The policy's own float32 masters are cast once per
+        # autocast region (autocast caches the casts of weights that need grad); a frozen float32 copy would be
+        # cast again at every decode step, reading three times the bytes of a bf16 copy.
+        device = next(self._copy.parameters()).device
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+            if next(self._copy.parameters()).dtype != dtype:
+                self._copy = _unsharded_copy(self.model, self._copy.state_dict(), dtype)
         return self._copy
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -217,12 +225,24 @@ class HFEngine(RolloutEngine):
             past.append((_stack_left(rows_k), _stack_left(rows_v)))
         return input_ids, torch.cat([cached, fed], dim=-1), past
 
-    def _keep(self, prompt: list[int], sampled: list[int], layers: list[tuple[Tensor, Tensor]], row: int,
+    def _keep(self, fed: list[list[int]], layers: list[tuple[Tensor, Tensor]], rows: list[int],
               columns: Tensor) -> None:
-        """Keep what one row fed (``prompt`` and all but its newest sampled token): its KV at ``columns``."""
-        if self.prefix is not None and sampled:
-            self.prefix.add(prompt + sampled[:-1], [(k[row].index_select(1, columns), v[row].index_select(1, columns))
-                                                   for k, v in layers])
+        """Keep what batch ``rows`` fed: the token ids ``fed[j]`` of row ``rows[j]``, whose KV sits at the true
+        columns of ``columns[j]`` (a boolean (len(rows), L) mask). Two gathers per layer for all the rows at once."""
+        if self.prefix is None or not rows:
+            return
+        counts = columns.sum(-1).tolist()
+        width = max(counts)
+        # A stable sort puts each row's true columns last, in order: the last `width` are its KV right-aligned.
+        index = torch.sort(columns.to(torch.uint8), dim=-1, stable=True).indices[:, columns.shape[1] - width:]
+        select = torch.tensor(rows, device=columns.device)
+        gathered = []
+        for k, v in layers:
+            at = index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            gathered.append((k.index_select(0, select).gather(2, at), v.index_select(0, select).gather(2, at)))
+        for j, (ids, count) in enumerate(zip(fed, counts)):
+            assert count == len(ids), f"kept KV columns ({count}) != tokens fed ({len(ids)})"
+            self.prefix.add(ids, [(k[j, :, width - count:], v[j, :, width - count:]) for k, v in gathered])
 
     def _generate_static(self, model, tok, prompts, params, device, capture: bool,
                          sync_every: int = 8) -> list[Generation]:
@@ -258,12 +278,11 @@ class HFEngine(RolloutEngine):
                 if not live or last:
                     break
             logits = decoder.step(ids)
-        if self.prefix is not None:
-            layers, width = decoder.kv.layers(), decoder.width
-            for i in range(n):  # row i fed its prompt's real columns, then one column per sampled token but the last
-                columns = torch.cat([decoder.prompt_columns[i].nonzero().squeeze(-1),
-                                     torch.arange(width, width + len(out.tokens[i]) - 1, device=device)])
-                self._keep(prompts[i], out.tokens[i], layers, i, columns)
+        # Row i fed its prompt's real columns, then one column per sampled token but the last.
+        sampled = torch.tensor([len(t) for t in out.tokens], device=device)
+        decoded = torch.arange(params.max_new_tokens, device=device) < sampled[:, None] - 1
+        self._keep([p + t[:-1] for p, t in zip(prompts, out.tokens)], decoder.kv.layers(), list(range(n)),
+                   torch.cat([decoder.prompt_columns, decoded], dim=-1))
         return out.generations()
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
@@ -303,11 +322,10 @@ class HFEngine(RolloutEngine):
                 if step == params.max_new_tokens - 1:
                     keep = []  # out of tokens: every row is done
                 if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
-                    if self.prefix is not None:
-                        layers = [(layer.keys, layer.values) for layer in cache.layers]
-                        for j in sorted(set(range(len(rows))) - set(keep)):
-                            self._keep(prompts[rows[j]], out.tokens[rows[j]], layers, j,
-                                       attention[j].nonzero().squeeze(-1))
+                    done = sorted(set(range(len(rows))) - set(keep))
+                    self._keep([prompts[rows[j]] + out.tokens[rows[j]][:-1] for j in done],
+                               [(layer.keys, layer.values) for layer in cache.layers], done,
+                               attention[done].bool())
                     rows = [rows[j] for j in keep]
                     if keep:
                         index = torch.tensor(keep, device=device)
@@ -410,11 +428,12 @@ def _is_sharded(model: nn.Module) -> bool:
     return isinstance(model, (FullyShardedDataParallel, FSDPModule))
 
 
-def _unsharded_copy(model: nn.Module, state_dict) -> nn.Module:
+def _unsharded_copy(model: nn.Module, state_dict, dtype: torch.dtype | None = None) -> nn.Module:
     """A plain transformers model of ``model``'s architecture holding ``state_dict``, on the device it computes on.
 
-    The weights keep their dtype (fp32 masters under bf16-mixed: sampling then autocasts as the policy's forward
-    does). LoRA adapters arrive merged in ``state_dict``, so the copy is the base architecture.
+    The weights keep their dtype unless ``dtype`` is given (the sampling dtype under mixed precision: see
+    ``HFEngine._sampling_model``). LoRA adapters arrive merged in ``state_dict``, so the copy is the base
+    architecture.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
     from transformers import AutoModelForCausalLM
@@ -423,7 +442,7 @@ def _unsharded_copy(model: nn.Module, state_dict) -> nn.Module:
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
     device = (model.compute_device if isinstance(model, FullyShardedDataParallel)
               else next(model.parameters()).device)
-    dtype = next(v.dtype for v in state_dict.values() if v.is_floating_point())
+    dtype = dtype or next(v.dtype for v in state_dict.values() if v.is_floating_point())
     with torch.device(device):
         copy = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
     copy.load_state_dict(state_dict)
