@@ -1,9 +1,10 @@
-"""Builders for small trajectory batches used across the tests."""
+"""Builders for small trajectory batches and multi-turn engine calls used across the tests."""
 
 from __future__ import annotations
 
 import torch
 
+from ragen_pl.rollout.engine import SamplingParams
 from ragen_pl.types import TrajectoryBatch
 
 
@@ -57,3 +58,23 @@ def random_batch(
     ends = batch.turn_ends
     batch.rewards = torch.where(ends, torch.randn(B, T, generator=g), 0.0)
     return batch
+
+
+def play_turns(engine, tok, first: list[list[int]], replies: list[str], static: bool = False) -> list[tuple]:
+    """Play len(replies) + 1 greedy turns of ``engine``: each next prompt is the last prompt, its answer and a reply
+    (rows get replies of different lengths; the last row restarts with a fresh prompt). ``static`` runs the engine's
+    static-cache loop uncaptured (the CPU check of the CUDA-graph path). Returns each turn's (prompts, generations)."""
+    params = SamplingParams(temperature=0, max_new_tokens=5, stop=[])
+    prompts, turns = first, []
+    for turn in range(len(replies) + 1):
+        if static:
+            with torch.no_grad():
+                gens = engine._generate_static(engine.model, tok, prompts, params, engine.model.device, capture=False)
+        else:
+            gens = engine.generate(prompts, params)
+        turns.append((prompts, gens))
+        if turn < len(replies):
+            prompts = [p + g.token_ids + tok(replies[turn] * (1 + i % 3))["input_ids"] for i, (p, g) in
+                       enumerate(zip(prompts, gens))]
+            prompts[-1] = tok(f"Turn {turn}: a fresh prompt")["input_ids"]
+    return turns

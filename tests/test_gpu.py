@@ -10,6 +10,7 @@ import torch
 from ragen_pl.cli import main
 from ragen_pl.rollout.engine import SamplingParams
 from ragen_pl.rollout.hf import HFEngine
+from tests.helpers import play_turns
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -75,6 +76,30 @@ def test_cuda_graph_decoding_matches_the_eager_loop(tiny):
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
     sampled = graphs.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, stop=["_"]))
     assert all(len(g.token_ids) >= 1 for g in sampled)
+
+
+def test_kept_prefixes_on_the_graph_path_match_whole_prompts(tiny):
+    """Three turns on the CUDA-graph path with kept prefixes: the eager loop's greedy tokens with every prompt
+    prefilled whole, and a fraction of its prompt tokens fed."""
+    import warnings
+
+    model, tok = tiny
+    model = model.to("cuda")
+    a, b = tok("Turn 1:\nState:\n#_#")["input_ids"], tok("Turn 1:\nState:\n#__#_#_#_#")["input_ids"]
+    first, replies = [a, b, a, b, a], ["\nReward: 1\nState:\n#_", "\n_#_"]
+    kept, whole = HFEngine(cuda_graphs=True), HFEngine(cuda_graphs=False, prefix_cache=False)
+    for engine in (kept, whole):
+        engine.bind(model, tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the eager loop would warn
+        fast = play_turns(kept, tok, first, replies)
+    slow = play_turns(whole, tok, first, replies)
+    for (prompts, gens), (prompts_ref, gens_ref) in zip(fast, slow):
+        assert prompts == prompts_ref
+        for g, r in zip(gens, gens_ref):
+            assert g.token_ids == r.token_ids
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=1e-4)
+    assert kept.prefilled_tokens < whole.prefilled_tokens / 2
 
 
 def _metrics(root: Path) -> list[dict]:

@@ -3,6 +3,7 @@ import torch
 
 from ragen_pl.rollout.engine import SamplingParams
 from ragen_pl.rollout.hf import HFEngine, sample_next
+from tests.helpers import play_turns
 
 
 def test_greedy_matches_model_generate_and_logprobs_match_forward(tiny):
@@ -198,25 +199,6 @@ def test_static_path_host_syncs_in_chunks_without_changing_tokens(tiny):
     assert {reason for _, _, reason in runs[0]} & {"stop", "eos"}  # some rows ended early, mid-chunk
 
 
-def _turns(engine, tok, first: list[list[int]], replies: list[str], static: bool) -> list[list]:
-    """Play len(replies) + 1 greedy turns: each next prompt is the last prompt, its answer and a reply."""
-    params = SamplingParams(temperature=0, max_new_tokens=5, stop=[])
-    prompts, turns = first, []
-    for turn in range(len(replies) + 1):
-        if static:
-            with torch.no_grad():
-                gens = engine._generate_static(engine.model, tok, prompts, params, torch.device("cpu"), capture=False)
-        else:
-            gens = engine.generate(prompts, params)
-        turns.append((prompts, gens))
-        if turn < len(replies):
-            # Rows get replies of different lengths (left padding inside the kept prefix); the last row restarts.
-            prompts = [p + g.token_ids + tok(replies[turn] * (1 + i % 3))["input_ids"] for i, (p, g) in
-                       enumerate(zip(prompts, gens))]
-            prompts[-1] = tok(f"Turn {turn}: a fresh prompt")["input_ids"]
-    return turns
-
-
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_next_turn_prefills_only_what_is_new_with_the_same_answers(tiny, static):
     """A kept prefix changes nothing but the work: the same tokens and log-probs as prefilling every prompt whole
@@ -226,7 +208,7 @@ def test_next_turn_prefills_only_what_is_new_with_the_same_answers(tiny, static)
     first, replies = [a, b, a, b, a], ["\nReward: 1\nState:\n#_", "\n_#_"]
     kept, whole = HFEngine(), HFEngine(prefix_cache=False)
     kept.bind(model, tok), whole.bind(model, tok)
-    with_kept, without = _turns(kept, tok, first, replies, static), _turns(whole, tok, first, replies, static)
+    with_kept, without = play_turns(kept, tok, first, replies, static), play_turns(whole, tok, first, replies, static)
     for (prompts, gens), (prompts_ref, gens_ref) in zip(with_kept, without):
         assert prompts == prompts_ref
         for p, g, r in zip(prompts, gens, gens_ref):
