@@ -234,7 +234,7 @@ class HFEngine(RolloutEngine):
         counts = columns.sum(-1).tolist()
         width = max(counts)
         # A stable sort puts each row's true columns last, in order: the last `width` are its KV right-aligned.
-        index = torch.sort(columns.to(torch.uint8), dim=-1, stable=True).indices[:, columns.shape[1] - width:]
+        index = torch.sort(columns.int(), dim=-1, stable=True).indices[:, columns.shape[1] - width:]
         select = torch.tensor(rows, device=columns.device)
         gathered = []
         for k, v in layers:
