@@ -241,3 +241,23 @@ def test_kept_prefixes_end_with_the_rollout_and_with_new_weights(tiny):
     assert engine.prefilled_tokens - before == len(prompt) + len(gen.token_ids) + 1  # whole: nothing was kept
     engine.bind(model, tok)  # a re-bound policy (the strategy wrapped it) starts afresh
     assert len(engine.prefix) == 0
+
+
+def test_prefix_cache_takes_the_longest_kept_sequence_a_prompt_extends():
+    from ragen_pl.rollout.hf import PrefixCache
+
+    cache = PrefixCache()
+    layers = [(torch.zeros(1, 0, 1), torch.zeros(1, 0, 1))]
+    base = list(range(20))
+    cache.add(base[:5], layers)
+    cache.add(base[:12], layers)
+    cache.add([99] * 4 + base[4:12], layers)  # the same length and last 8 tokens as base[:12], another start
+    cache.add(base[:3], layers)
+    assert len(cache) == 4
+    hits = cache.take([base, base[:12], [7] + base, base[:4]])
+    assert hits[0].tokens == base[:12]  # the longest it extends
+    assert hits[1].tokens == base[:5]  # an exact copy of a kept sequence would feed nothing: a shorter one
+    assert hits[2] is None
+    assert hits[3].tokens == base[:3]
+    assert len(cache) == 0  # taken once, then forgotten
+    assert cache.take([base]) == [None]
