@@ -102,6 +102,36 @@ def test_kept_prefixes_on_the_graph_path_match_whole_prompts(tiny):
     assert kept.prefilled_tokens < whole.prefilled_tokens / 2
 
 
+def test_graph_path_drops_finished_rows_and_captures_again(tiny, monkeypatch):
+    """Rows that end early leave the captured batch (the step is captured again for the live rows): the eager
+    loop's greedy tokens all the same."""
+    import warnings
+
+    from ragen_pl.rollout.static import StaticDecoder
+
+    model, tok = tiny
+    model = model.to("cuda")
+    prompts = [tok("x" * (1 + k % 4) + "#_" * k)["input_ids"] for k in range(8)]
+    params = SamplingParams(temperature=0, max_new_tokens=96, stop=["_#", "x#"])
+    selects = []
+    select = StaticDecoder.select
+    monkeypatch.setattr(StaticDecoder, "select", lambda self, index: selects.append(len(index)) or select(self, index))
+    graphs, eager = HFEngine(cuda_graphs=True), HFEngine(cuda_graphs=False)
+    for engine in (graphs, eager):
+        engine.bind(model, tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the eager loop would warn
+        fast = graphs.generate(prompts, params)
+    slow = eager.generate(prompts, params)
+    lengths = sorted(len(g.token_ids) for g in slow)
+    if lengths[len(lengths) // 2] > params.max_new_tokens - 32:
+        pytest.fail(f"half the rows must end early for this check; lengths {lengths}")
+    assert selects and selects[0] <= 4  # the batch shrank to the live rows, captured again
+    assert [g.token_ids for g in fast] == [g.token_ids for g in slow]
+    for f, e in zip(fast, slow):
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+
+
 def _metrics(root: Path) -> list[dict]:
     files = sorted(root.glob("*/version_*/metrics.csv"))
     assert files, f"no metrics.csv under {root}"

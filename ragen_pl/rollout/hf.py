@@ -245,25 +245,28 @@ class HFEngine(RolloutEngine):
             assert count == len(ids), f"kept KV columns ({count}) != tokens fed ({len(ids)})"
             self.prefix.add(ids, [(k[j, :, width - count:], v[j, :, width - count:]) for k, v in gathered])
 
-    def _generate_static(self, model, tok, prompts, params, device, capture: bool,
-                         sync_every: int = 8) -> list[Generation]:
+    def _generate_static(self, model, tok, prompts, params, device, capture: bool, sync_every: int = 8,
+                         compact: bool = True, recapture_steps: int = 32) -> list[Generation]:
         """Static KV cache, all rows stepping together (finished ones ignored), optionally as a CUDA graph.
 
         Sampled tokens stay on the device and come to the host ``sync_every`` steps at a time, where eos and stop
         strings are found token by token as before: the GPU runs ahead instead of waiting for the host each token.
-        Every row samples at every step either way, so the tokens are the same for any ``sync_every``; at most
-        ``sync_every - 1`` steps run after the last row ended.
+        At most ``sync_every - 1`` steps run after the last row ended. With ``compact``, when at most half the batch
+        is still live at such a check, the batch shrinks to the live rows; a captured step is captured again for the
+        smaller batch, which is done only while at least ``recapture_steps`` steps remain to repay it. (Fewer rows
+        draw fewer numbers from the generator, so at temperature > 0 the tokens depend on when that happens.)
         """
         from ragen_pl.rollout.static import StaticDecoder
 
         n = len(prompts)
         generator = self._generator(device)
-        distinct, rows = _distinct(prompts)
+        distinct, inverse = _distinct(prompts)
         input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
         decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture,
-                                rows=torch.tensor(rows, device=device) if len(distinct) < n else None, past=past)
+                                rows=torch.tensor(inverse, device=device) if len(distinct) < n else None, past=past)
         out = _Outputs(n, tok, params)
-        live = list(range(n))
+        rows = list(range(n))  # prompt index of each batch row
+        live = set(rows)
         logits = decoder.first_logits
         pending: list[tuple[Tensor, Tensor]] = []
         for step in range(params.max_new_tokens):
@@ -275,16 +278,33 @@ class HFEngine(RolloutEngine):
                 lps_h = torch.stack([lp for _, lp in pending]).tolist()
                 pending = []
                 for ids_l, lps_l in zip(ids_h, lps_h):
-                    live = [i for i in live if not out.record(i, ids_l[i], lps_l[i])]
+                    for j, i in enumerate(rows):
+                        if i in live and out.record(i, ids_l[j], lps_l[j]):
+                            live.discard(i)
                 if not live or last:
                     break
+                steps_left = params.max_new_tokens - 1 - step
+                if compact and len(live) <= len(rows) // 2 and (not capture or steps_left >= recapture_steps):
+                    finished = [j for j, i in enumerate(rows) if i not in live]
+                    self._keep_static(decoder, prompts, out, rows, finished)
+                    index = [j for j, i in enumerate(rows) if i in live]
+                    decoder.select(torch.tensor(index, device=device))
+                    ids, rows = ids[index], [rows[j] for j in index]
             logits = decoder.step(ids)
-        # Row i fed its prompt's real columns, then one column per sampled token but the last.
-        sampled = torch.tensor([len(t) for t in out.tokens], device=device)
-        decoded = torch.arange(params.max_new_tokens, device=device) < sampled[:, None] - 1
-        self._keep([p + t[:-1] for p, t in zip(prompts, out.tokens)], decoder.kv.layers(), list(range(n)),
-                   torch.cat([decoder.prompt_columns, decoded], dim=-1))
+        self._keep_static(decoder, prompts, out, rows, list(range(len(rows))))
         return out.generations()
+
+    def _keep_static(self, decoder, prompts, out: _Outputs, rows: list[int], batch: list[int]) -> None:
+        """Keep what static-path batch rows ``batch`` fed: the real columns of their prompt, then one column per
+        sampled token but the last (``rows`` maps a batch row to its prompt)."""
+        if self.prefix is None or not batch:
+            return
+        device = decoder.prompt_columns.device
+        sampled = torch.tensor([len(out.tokens[rows[j]]) for j in batch], device=device)
+        decoded = torch.arange(decoder.kv.length - decoder.width, device=device) < sampled[:, None] - 1
+        index = torch.tensor(batch, device=device)
+        self._keep([prompts[rows[j]] + out.tokens[rows[j]][:-1] for j in batch], decoder.kv.layers(), batch,
+                   torch.cat([decoder.prompt_columns[index], decoded], dim=-1))
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)

@@ -9,8 +9,10 @@ cost. A graph fixes every shape and address, so:
   whose prefix was kept from the previous turn starts with that prefix's KV, copied in ahead of the fed columns);
 * the attention mask is a boolean 4D ``(B, 1, 1, L)`` tensor handed to the model ready-made (transformers returns a
   4D mask as it is and builds none), and each step flips one column of it on;
-* rows that finish keep decoding (their tokens are ignored): in the decode regime the step costs about the same for
-  fewer rows, and a smaller batch would need a new graph.
+* rows that finish keep decoding (their tokens are ignored) until at most half the batch is live; then the batch
+  shrinks to the live rows (:meth:`StaticDecoder.select`) and the step is captured again for the smaller batch,
+  provided enough steps remain to repay the capture. Each decode step reads every row's whole KV cache, so a
+  batch of mostly finished rows would keep paying for them.
 
 Sampling stays outside the graph (the same :func:`ragen_pl.rollout.hf.sample_next`), so it is identical to the
 eager path's. With ``capture=False`` the same static-cache loop runs eagerly, which is how the CPU tests check it.
@@ -134,8 +136,9 @@ class StaticDecoder:
 
     def _capture(self) -> None:
         # Warm up on a side stream (allocator and kernel choices settle), then capture one step. The warm-up
-        # steps write cache column `width`, which the first real step overwrites.
-        self._advance_to(self.width)
+        # steps write the next cache column, which the next real step overwrites.
+        following = self.column + 1
+        self._advance_to(following)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -145,8 +148,19 @@ class StaticDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._forward()
-        self.mask[:, self.width] = False  # the real first step turns it on again
+        self.mask[:, following] = False  # the next real step turns it on again
         self.kv.column.fill_(self.column)
+
+    def select(self, index: Tensor) -> None:
+        """Keep only batch rows ``index`` (the live ones), and capture the step again if it was captured."""
+        captured = self.graph is not None
+        self.graph = self.logits = None  # frees the old graph's memory before the new capture
+        self.kv.select_rows(index)
+        self.mask, self.prompt_columns = self.mask[index], self.prompt_columns[index]
+        self.positions, self.pos, self.ids = self.positions[index], self.pos[index], self.ids[index]
+        self.step_mask = self.mask[:, None, None, :]
+        if captured:
+            self._capture()
 
     def _advance_to(self, column: int) -> None:
         self.kv.column.fill_(column)

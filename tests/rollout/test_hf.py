@@ -183,7 +183,8 @@ def test_static_cache_sampling_stops_rows_independently(tiny):
 
 
 def test_static_path_host_syncs_in_chunks_without_changing_tokens(tiny):
-    """Tokens reach the host a chunk at a time; eos and stop strings still end each row at the same token."""
+    """Tokens reach the host a chunk at a time; eos and stop strings still end each row at the same token (every row
+    samples at every step: no compaction, which changes how many numbers are drawn from the generator)."""
     model, tok = tiny
     prompts = [tok("x")["input_ids"], tok("Turn 1:\n#_")["input_ids"]] * 3
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop=["_"])
@@ -193,7 +194,7 @@ def test_static_path_host_syncs_in_chunks_without_changing_tokens(tiny):
         engine.bind(model, tok)
         with torch.no_grad():
             gens = engine._generate_static(model, tok, prompts, params, torch.device("cpu"), capture=False,
-                                           sync_every=chunk)
+                                           sync_every=chunk, compact=False)
         runs.append([(g.token_ids, g.logprobs, g.finish_reason) for g in gens])
     assert all(r == runs[0] for r in runs[1:])
     assert {reason for _, _, reason in runs[0]} & {"stop", "eos"}  # some rows ended early, mid-chunk
@@ -261,3 +262,40 @@ def test_prefix_cache_takes_the_longest_kept_sequence_a_prompt_extends():
     assert hits[3].tokens == base[:3]
     assert len(cache) == 0  # taken once, then forgotten
     assert cache.take([base]) == [None]
+
+
+def test_static_path_drops_finished_rows_with_the_same_answers(tiny):
+    """Once at most half the rows are live, the static batch shrinks to them: greedy answers equal the full batch's,
+    sampled log-probs stay those of one full forward, and what was fed is kept for the next turn either way."""
+    model, tok = tiny
+    prompts = [tok("x" * (1 + k % 4) + "#_" * k)["input_ids"] for k in range(8)]
+    batches = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: batches.append((kw["input_ids"] if "input_ids" in kw else args[0]).shape[0]),
+        with_kwargs=True)
+    runs = {}
+    try:
+        for compact in (True, False):
+            engine = HFEngine(seed=3)
+            engine.bind(model, tok)
+            batches.clear()
+            with torch.no_grad():
+                runs[compact] = engine._generate_static(model, tok, prompts, SamplingParams(
+                    temperature=0, max_new_tokens=40, stop=["_#", "x#"]), torch.device("cpu"), capture=False,
+                    sync_every=4, compact=compact)
+            assert len(engine.prefix) == len(prompts)
+            runs[compact, "sizes"] = list(batches)
+            with torch.no_grad():
+                sampled = engine._generate_static(model, tok, prompts, SamplingParams(
+                    temperature=1.0, max_new_tokens=40, stop=["_"]), torch.device("cpu"), capture=False,
+                    sync_every=4, compact=compact)
+            for p, g in zip(prompts, sampled):
+                assert_logprobs_of_forward(model, p, g)
+    finally:
+        hook.remove()
+    lengths = sorted(len(g.token_ids) for g in runs[True])
+    assert lengths[0] < lengths[-1] // 2  # rows end at different times
+    assert min(runs[True, "sizes"]) < len(prompts) == min(runs[False, "sizes"])  # the batch shrank only with compact
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
