@@ -28,24 +28,35 @@ from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 
 def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Sample one token per row of (N, V) logits; return ids (N,) and their log-probs (N,) after processing."""
+    """Sample one token per row of (N, V) logits; return ids (N,) and their log-probs (N,) after processing.
+
+    With top-k the rest happens among the k best tokens, an (N, k) problem already sorted for top-p, instead of
+    the whole vocabulary (exactly k tokens: a tie at the k-th logit is broken by index). Top-p alone sorts the
+    vocabulary.
+    """
     logits = logits.float()
     if params.temperature == 0:
         ids = logits.argmax(-1)
         return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
     logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    candidates = None  # (N, k) vocabulary ids of the top-k logits, when top-k is on
+    if 0 < params.top_k < logits.shape[-1]:
+        logits, candidates = torch.topk(logits, params.top_k, dim=-1)  # sorted, largest first
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, -1)
-        drop_sorted = probs.cumsum(-1) - probs >= params.top_p  # mass before a token; keeps at least the top one
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = _top_p(logits, params.top_p, presorted=candidates is not None)
     logp = torch.log_softmax(logits, -1)
-    ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    pick = torch.multinomial(logp.exp(), 1, generator=generator)  # (N, 1)
+    ids = pick if candidates is None else candidates.gather(-1, pick)
+    return ids.squeeze(-1), logp.gather(-1, pick).squeeze(-1)
+
+
+def _top_p(logits: Tensor, top_p: float, presorted: bool) -> Tensor:
+    """``logits`` with every token outside the nucleus (the fewest top tokens holding ``top_p`` of the mass) at -inf."""
+    sorted_logits, order = (logits, None) if presorted else torch.sort(logits, descending=True, dim=-1)
+    probs = torch.softmax(sorted_logits, -1)
+    drop_sorted = probs.cumsum(-1) - probs >= top_p  # mass before a token; keeps at least the top one
+    drop = drop_sorted if order is None else torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 class HFEngine(RolloutEngine):

@@ -74,6 +74,39 @@ def test_sample_next_frequencies_and_top_p():
     torch.testing.assert_close(lps[ids == 0][:1], torch.log(torch.tensor([0.5 / 0.8])))
 
 
+def _processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The reference: temperature, then top-k and top-p as masks over the whole vocabulary, row by row."""
+    out = []
+    for row in logits.float() / params.temperature:
+        if 0 < params.top_k < len(row):  # top-k at or past the vocabulary size keeps everything
+            row = row.masked_fill(row < row.topk(params.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(row, -1)
+        kept, mass = torch.zeros_like(row, dtype=torch.bool), 0.0
+        for i in torch.argsort(row, descending=True).tolist():
+            if mass >= params.top_p:
+                break
+            kept[i], mass = True, mass + float(probs[i])
+        out.append(torch.log_softmax(row.masked_fill(~kept, float("-inf")), -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 0.6), (5, 1.0), (5, 0.6), (50, 0.9)])
+def test_sample_next_draws_from_the_processed_distribution(top_k, top_p):
+    """Top-k among the k best (no vocabulary sort) and top-p: every draw lies in the reference support with the
+    reference log-prob, and frequencies follow it."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g) * 2
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    ref = _processed_logprobs(logits, params)  # (3, 40)
+    n = 20000
+    ids, lps = sample_next(logits.repeat_interleave(n, 0), params, g)
+    rows = torch.arange(3).repeat_interleave(n)
+    torch.testing.assert_close(lps, ref[rows, ids], atol=1e-5, rtol=1e-5)
+    for r in range(3):
+        freq = torch.bincount(ids[rows == r], minlength=40).float() / n
+        torch.testing.assert_close(freq, ref[r].exp(), atol=0.015, rtol=0)
+
+
 def test_stop_strings_and_reasons(tiny):
     model, tok = tiny
     engine = HFEngine()
