@@ -2,6 +2,7 @@
 including the resume of a sharded FSDP checkpoint. Run with `pytest -m gpu` (`tox -e gpu`) on a CUDA machine."""
 
 import csv
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,14 +56,8 @@ def test_hf_engine_samples_on_cuda_seeded(tiny):
     assert (torch.tensor(gen.logprobs, device="cuda") >= lp.squeeze(-1) - 1e-3).all()  # top-p only raises them
 
 
-def test_cuda_graph_decoding_matches_the_eager_loop(tiny):
-    """The static-cache CUDA-graph path is captured (no fallback) and gives the eager loop's greedy tokens."""
-    import warnings
-
-    model, tok = tiny
-    model = model.to("cuda")
-    prompts = [tok("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in (1, 7, 3, 12)]
-    params = SamplingParams(temperature=0, max_new_tokens=16, stop=[])
+def _graphs_match_eager(model, tok, prompts, params):
+    """The CUDA-graph path is captured (no fallback) and gives the eager loop's greedy tokens and log-probs."""
     graphs, eager = HFEngine(cuda_graphs=True), HFEngine(cuda_graphs=False)
     for engine in (graphs, eager):
         engine.bind(model, tok)
@@ -74,6 +69,16 @@ def test_cuda_graph_decoding_matches_the_eager_loop(tiny):
     assert [g.token_ids for g in fast] == [g.token_ids for g in slow]
     for f, e in zip(fast, slow):
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+    return graphs, slow
+
+
+def test_cuda_graph_decoding_matches_the_eager_loop(tiny):
+    """The static-cache CUDA-graph path is captured (no fallback) and gives the eager loop's greedy tokens."""
+
+    model, tok = tiny
+    model = model.to("cuda")
+    prompts = [tok("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in (1, 7, 3, 12)]
+    graphs, _ = _graphs_match_eager(model, tok, prompts, SamplingParams(temperature=0, max_new_tokens=16, stop=[]))
     sampled = graphs.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, stop=["_"]))
     assert all(len(g.token_ids) >= 1 for g in sampled)
 
@@ -81,8 +86,6 @@ def test_cuda_graph_decoding_matches_the_eager_loop(tiny):
 def test_kept_prefixes_on_the_graph_path_match_whole_prompts(tiny):
     """Three turns on the CUDA-graph path with kept prefixes: the eager loop's greedy tokens with every prompt
     prefilled whole, and a fraction of its prompt tokens fed."""
-    import warnings
-
     model, tok = tiny
     model = model.to("cuda")
     a, b = tok("Turn 1:\nState:\n#_#")["input_ids"], tok("Turn 1:\nState:\n#__#_#_#_#")["input_ids"]
@@ -105,7 +108,6 @@ def test_kept_prefixes_on_the_graph_path_match_whole_prompts(tiny):
 def test_graph_path_drops_finished_rows_and_captures_again(tiny, monkeypatch):
     """Rows that end early leave the captured batch (the step is captured again for the live rows): the eager
     loop's greedy tokens all the same."""
-    import warnings
 
     from ragen_pl.rollout.static import StaticDecoder
 
@@ -116,20 +118,11 @@ def test_graph_path_drops_finished_rows_and_captures_again(tiny, monkeypatch):
     selects = []
     select = StaticDecoder.select
     monkeypatch.setattr(StaticDecoder, "select", lambda self, index: selects.append(len(index)) or select(self, index))
-    graphs, eager = HFEngine(cuda_graphs=True), HFEngine(cuda_graphs=False)
-    for engine in (graphs, eager):
-        engine.bind(model, tok)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a fallback to the eager loop would warn
-        fast = graphs.generate(prompts, params)
-    slow = eager.generate(prompts, params)
+    _, slow = _graphs_match_eager(model, tok, prompts, params)
     lengths = sorted(len(g.token_ids) for g in slow)
     if lengths[len(lengths) // 2] > params.max_new_tokens - 32:
         pytest.fail(f"half the rows must end early for this check; lengths {lengths}")
     assert selects and selects[0] <= 4  # the batch shrank to the live rows, captured again
-    assert [g.token_ids for g in fast] == [g.token_ids for g in slow]
-    for f, e in zip(fast, slow):
-        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
 
 
 def _metrics(root: Path) -> list[dict]:
