@@ -3,7 +3,8 @@
 An engine samples continuations for a batch of token-id prompts and reports, for every sampled token, its id and
 its log-probability under the sampling distribution. It knows nothing of envs or chats: the collector builds the
 prompts and reads the answers. Engines that keep their own copy of the weights (vLLM) reload them from the trained
-policy after each update; engines that can free memory between rollouts (vLLM's sleep mode) do so.
+policy after each update; engines that can free memory between rollouts (vLLM's sleep mode) do so; engines that keep
+state between the turns of a rollout (the ``hf`` engine's KV prefixes) drop it when the collector calls ``end_rollout``.
 """
 
 from __future__ import annotations
