@@ -395,30 +395,30 @@ class RagenModule(pl.LightningModule):
 
         Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds.
         """
-        mb = self.ppo.micro_batch_size
         score_policy = not self.scores_old_policy_in_update(len(batch))
-        old, vals, ref = [], [], []
-        for idx in torch.arange(len(batch)).split(mb):
+        filled: dict[str, Tensor] = {}
+
+        def fill(name: str, rows: Tensor, x: Tensor) -> None:  # x: (len(rows), T') with T' <= T
+            if name not in filled:
+                filled[name] = torch.zeros_like(batch.rewards, dtype=x.dtype)  # (B, T)
+            filled[name][rows, :x.shape[1]] = x
+
+        for idx in micro_batches(torch.arange(len(batch), device=batch.input_ids.device), batch.attention_mask,
+                                 self.ppo.micro_batch_size):
             part = batch.select(idx)
             T = int(part.attention_mask.sum(-1).max())
             ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+            s = self.score(self.policy, ids, attn, mask, values=self.value_head is not None) if score_policy else {}
             if score_policy:
-                s = self.score(self.policy, ids, attn, mask, values=self.value_head is not None)
-                old.append(_pad_to(s["logprobs"], batch.input_ids.shape[1]))
-            else:
-                s = {}
+                fill("old_logprobs", idx, s["logprobs"])
             if self.critic is not None:
-                vals.append(_pad_to(self.critic(ids, attn), batch.input_ids.shape[1]))
+                fill("values", idx, self.critic(ids, attn))
             elif "values" in s:
-                vals.append(_pad_to(s["values"], batch.input_ids.shape[1]))
+                fill("values", idx, s["values"])
             if self.ppo.kl_coeff > 0:
-                ref.append(_pad_to(self._reference_logprobs(ids, attn, mask), batch.input_ids.shape[1]))
-        if old:
-            batch.old_logprobs = torch.cat(old)
-        if vals:
-            batch.values = torch.cat(vals)
-        if ref:
-            batch.ref_logprobs = torch.cat(ref)
+                fill("ref_logprobs", idx, self._reference_logprobs(ids, attn, mask))
+        for name, x in filled.items():
+            setattr(batch, name, x)
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
             # The normalised trajectory score replaces the token rewards, on the trajectory's last sampled token
@@ -582,7 +582,7 @@ class RagenModule(pl.LightningModule):
                 mini_count = self._norm_count(batch.loss_mask[idx])
                 for opt in raw:
                     opt.zero_grad(set_to_none=True)
-                for micro in idx.split(p.micro_batch_size):
+                for micro in micro_batches(idx, batch.attention_mask, p.micro_batch_size):
                     actor, critic, m = self.micro_loss(batch.select(micro), mini_count)
                     total = actor if critic is None else actor + critic
                     self.manual_backward(total)
@@ -673,8 +673,15 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, var_floor:
     return (1 - (r - v).var() / r.var()).float()
 
 
-def _pad_to(x: Tensor, T: int) -> Tensor:
-    return torch.nn.functional.pad(x, (0, T - x.shape[1]))
+def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tensor]:
+    """``rows`` split into micro-batches of ``size`` rows of similar length, longest first.
+
+    A micro-batch is cut to its own longest row (sequences are right-padded), so grouping rows by length cuts the
+    padding that forward and backward compute over; the mini-batch's gradient, a sum over its micro-batches, and
+    every row's scores do not depend on the grouping.
+    """
+    lengths = attention_mask[rows].sum(-1)  # (len(rows),)
+    return list(rows[torch.argsort(lengths, descending=True, stable=True)].split(size))
 
 
 def _last_true(mask: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.filters import NoFilter
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
+from ragen_pl.module import OptimConfig, PPOConfig, RagenModule, micro_batches
 from ragen_pl.rollout.collector import RolloutConfig
 
 
@@ -283,3 +283,37 @@ def test_several_optimiser_steps_score_the_old_policy_first(tiny_model_path):
     assert not shared.scores_old_policy_in_update(4)  # the shared head's values come from that forward
     kl_reward = RagenModule(str(tiny_model_path), advantage=GRPO(), ppo=PPOConfig(kl_coeff=0.1, kl_mode="reward"))
     assert not kl_reward.scores_old_policy_in_update(4)
+
+
+def test_micro_batches_group_rows_by_length():
+    # Right-padded rows of lengths 2, 7, 3, 6, 5, 1: micro-batches of 2 pair them longest first.
+    lengths = [2, 7, 3, 6, 5, 1]
+    mask = torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]
+    parts = micro_batches(torch.arange(6), mask, 2)
+    assert [p.tolist() for p in parts] == [[1, 3], [4, 2], [0, 5]]
+    # Each is cut to its own longest row: 7 + 7, 5 + 5, 2 + 2 = 28 columns instead of 7+7, 6+6, 5+5 = 36 in order.
+    assert sum(len(p) * int(mask[p].sum(-1).max()) for p in parts) == 28
+    rows = torch.tensor([5, 0, 3])  # a mini-batch: only its rows, still grouped by length
+    assert [p.tolist() for p in micro_batches(rows, mask, 2)] == [[3, 0], [5]]
+
+
+def test_update_is_the_same_for_any_micro_batch_size(tiny_model_path):
+    """Length-grouped micro-batches accumulate to the whole mini-batch's gradient: one update's gradients (left on
+    the parameters) equal those of a single micro-batch, for the actor and a separate critic. (Gradients, not the
+    weights: Adam's first step is about lr * sign(gradient), which float noise flips where a gradient is ~0.)"""
+    grads = []
+    for micro in (1, 2, 4):
+        module, dm = make(tiny_model_path, ppo=PPOConfig(mini_batch_size=4, micro_batch_size=micro))
+        t = trainer(0)
+        t.fit(module, dm)
+        dm.setup("fit")
+        torch.manual_seed(0)
+        batch = dm.play_training_rollout().batch
+        assert len(set(batch.attention_mask.sum(-1).tolist())) > 1  # rows of different lengths
+        module.prepare(batch)
+        assert float(module.update(batch)["train/optimizer_steps"]) == 1  # one mini-batch: its gradients remain
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad})
+    assert any(n.startswith("critic.") for n in grads[0])
+    for other in grads[1:]:
+        for n in grads[0]:
+            torch.testing.assert_close(other[n], grads[0][n], atol=1e-6, rtol=1e-4, msg=n)
