@@ -237,17 +237,19 @@ class HFEngine(RolloutEngine):
             past.append((_stack_left(rows_k), _stack_left(rows_v)))
         return input_ids, torch.cat([cached, fed], dim=-1), past
 
-    def _keep(self, fed: list[list[int]], layers: list[tuple[Tensor, Tensor]], rows: list[int],
-              columns: Tensor) -> None:
-        """Keep what batch ``rows`` fed: the token ids ``fed[j]`` of row ``rows[j]``, whose KV sits at the true
-        columns of ``columns[j]`` (a boolean (len(rows), L) mask). Two gathers per layer for all the rows at once."""
-        if self.prefix is None or not rows:
+    def _keep(self, prompts: list[list[int]], out: _Outputs, owners: list[int], batch: list[int],
+              layers: list[tuple[Tensor, Tensor]], columns: Tensor) -> None:
+        """Keep what batch rows ``batch`` fed: row j's prompt ``prompts[owners[j]]`` and all but the newest of its
+        sampled tokens, whose KV sits at the true columns of its row of ``columns`` (a boolean (len(batch), L)
+        mask). Two gathers per layer for all the rows at once."""
+        if self.prefix is None or not batch:
             return
+        fed = [prompts[owners[j]] + out.tokens[owners[j]][:-1] for j in batch]
         counts = columns.sum(-1).tolist()
         width = max(counts)
         # A stable sort puts each row's true columns last, in order: the last `width` are its KV right-aligned.
         index = torch.sort(columns.int(), dim=-1, stable=True).indices[:, columns.shape[1] - width:]
-        select = torch.tensor(rows, device=columns.device)
+        select = torch.tensor(batch, device=columns.device)
         gathered = []
         for k, v in layers:
             at = index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
@@ -314,7 +316,7 @@ class HFEngine(RolloutEngine):
         sampled = torch.tensor([len(out.tokens[rows[j]]) for j in batch], device=device)
         decoded = torch.arange(decoder.kv.length - decoder.width, device=device) < sampled[:, None] - 1
         index = torch.tensor(batch, device=device)
-        self._keep([prompts[rows[j]] + out.tokens[rows[j]][:-1] for j in batch], decoder.kv.layers(), batch,
+        self._keep(prompts, out, rows, batch, decoder.kv.layers(),
                    torch.cat([decoder.prompt_columns[index], decoded], dim=-1))
 
     def _dummy_forward(self, model: nn.Module, device: torch.device) -> None:
@@ -355,15 +357,14 @@ class HFEngine(RolloutEngine):
                     keep = []  # out of tokens: every row is done
                 if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
                     done = sorted(set(range(len(rows))) - set(keep))
-                    self._keep([prompts[rows[j]] + out.tokens[rows[j]][:-1] for j in done],
-                               [(layer.keys, layer.values) for layer in cache.layers], done,
+                    self._keep(prompts, out, rows, done, [(layer.keys, layer.values) for layer in cache.layers],
                                attention[done].bool())
                     rows = [rows[j] for j in keep]
                     if keep:
                         index = torch.tensor(keep, device=device)
                         cache.batch_select_indices(index)
                         ids, attention, next_pos = ids[index], attention[index], next_pos[index]
-            local_live = bool(rows) and step < params.max_new_tokens - 1
+            local_live = bool(rows)  # rows is empty after the last step: every row is done then
             # Every rank does one all-reduce and one forward per step, so sharded forwards stay in lockstep.
             if not (self._any_rank(local_live, device) if sync else local_live):
                 break
@@ -420,18 +421,16 @@ class PrefixCache:
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, tuple[int, ...]], list[_Kept]] = {}
-        self._lengths: set[int] = set()
 
     def _key(self, tokens: list[int], n: int) -> tuple[int, tuple[int, ...]]:
         return n, tuple(tokens[max(0, n - self._TAIL):n])
 
     def add(self, tokens: list[int], layers: list[tuple[Tensor, Tensor]]) -> None:
         self._kept.setdefault(self._key(tokens, len(tokens)), []).append(_Kept(tokens, layers))
-        self._lengths.add(len(tokens))
 
     def take(self, prompts: list[list[int]]) -> list[_Kept | None]:
         """For each prompt, the longest kept sequence it extends (None if none); then forget them all."""
-        lengths = sorted(self._lengths, reverse=True)
+        lengths = sorted({n for n, _ in self._kept}, reverse=True)
         found = [self._longest(p, lengths) for p in prompts]
         self.clear()
         return found
@@ -445,7 +444,7 @@ class PrefixCache:
         return None
 
     def clear(self) -> None:
-        self._kept, self._lengths = {}, set()
+        self._kept = {}
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._kept.values())

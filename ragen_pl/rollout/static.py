@@ -51,7 +51,7 @@ class StaticKV:
             self.values[layer] = v.new_zeros(b, h, self.length, v.shape[-1])
             self.keys[layer][:, :, :c] = k
             self.values[layer][:, :, :c] = v
-            self.start = self._seen = c
+        self.start = self._seen = past[0][0].shape[2]
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs=None):
         if layer_idx not in self.keys:
