@@ -58,6 +58,7 @@ class VLLMEngine(RolloutEngine):
         self.tensor_parallel_size = tensor_parallel_size
         self.llm = None
         self.tokenizer = None
+        self.asleep: set[str] = set()  # what vLLM holds off the GPU: {"weights", "kv_cache"} between sleep and wake_up
 
     def bind(self, model: nn.Module, tokenizer) -> None:
         try:
@@ -78,6 +79,7 @@ class VLLMEngine(RolloutEngine):
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         self.llm = vllm.LLM(**kwargs)
+        self.asleep = set()
         self.tokenizer = tokenizer
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -109,6 +111,11 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         if self.llm is None:
             return
+        if "weights" in self.asleep:
+            # Asleep, vLLM's weights are off the GPU (level 1 keeps them in host memory): writing them would touch
+            # unmapped memory. Bring back the weights alone; the KV cache returns at the next wake_up, for the rollout.
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
         weights = [(k, v.detach()) for k, v in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Cached prefixes were computed with the old weights.
@@ -117,9 +124,13 @@ class VLLMEngine(RolloutEngine):
             reset()
 
     def sleep(self) -> None:
-        if self.llm is not None and self.enable_sleep_mode:
+        """Free vLLM's GPU memory for the update: level 1, the KV cache dropped and the weights kept in host memory
+        (a validation between two updates samples with them again, without a weight sync)."""
+        if self.llm is not None and self.enable_sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
-        if self.llm is not None and self.enable_sleep_mode:
-            self.llm.wake_up()
+        if self.asleep:
+            self.llm.wake_up()  # whatever is still asleep: the KV cache, and the weights unless a sync woke them
+            self.asleep = set()

@@ -39,6 +39,62 @@ def test_engine_settings_are_checked_and_passed_to_vllm(tiny, monkeypatch):
     assert seen["enable_sleep_mode"] is True and seen["logprobs_mode"] == "processed_logprobs"
 
 
+def test_sleeping_engine_wakes_its_weights_before_a_weight_sync(tiny, monkeypatch):
+    """With sleep mode, weights are written only while they are on the GPU: a sync between rollouts (the update's
+    WeightSync) wakes the weights alone, the next rollout wakes the rest, and a rollout without a sync wakes all.
+    Checked with a stand-in for vllm.LLM that fails like vLLM would (no vLLM needed)."""
+    import sys
+    import types
+
+    from ragen_pl.rollout.vllm import VLLMEngine
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.calls, self.sleeping = [], set()
+
+        def sleep(self, level):
+            self.calls.append(("sleep", level))
+            self.sleeping = {"weights", "kv_cache"}
+
+        def wake_up(self, tags=None):
+            self.calls.append(("wake_up", tags))
+            assert self.sleeping, "wake_up on an engine that is awake"
+            self.sleeping -= set(tags) if tags else set(self.sleeping)
+
+        def collective_rpc(self, method, kwargs):
+            assert "weights" not in self.sleeping, "weights written while they are off the GPU"
+            self.calls.append((method, len(list(kwargs["weights_iterator"]))))
+
+        def reset_prefix_cache(self):
+            self.calls.append(("reset_prefix_cache",))
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = FakeLLM
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    model, tok = tiny
+    monkeypatch.setattr(model.config, "_name_or_path", "/some/folder")
+    engine = VLLMEngine(enable_sleep_mode=True)
+    engine.bind(model, tok)
+    llm, state = engine.llm, model.state_dict()
+    engine.wake_up()  # awake from the start: nothing to do
+    engine.sleep()  # after a rollout
+    engine.load_weights(state)  # after the update
+    engine.wake_up()  # the next rollout
+    engine.sleep()
+    engine.wake_up()  # a validation without an update between
+    engine.load_weights(state)  # awake: written at once
+    assert llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("reload_weights", len(state)),
+                         ("reset_prefix_cache",), ("wake_up", None), ("sleep", 1), ("wake_up", None),
+                         ("reload_weights", len(state)), ("reset_prefix_cache",)]
+    assert not llm.sleeping and not engine.asleep
+    plain = VLLMEngine()  # without sleep mode, sleep and wake_up do nothing
+    plain.bind(model, tok)
+    plain.sleep()
+    plain.load_weights(state)
+    plain.wake_up()
+    assert plain.llm.calls == [("reload_weights", len(state)), ("reset_prefix_cache",)]
+
+
 def test_missing_vllm_is_a_clear_error(tiny, monkeypatch):
     import builtins
 
