@@ -94,6 +94,36 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
 
 
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_exactly(tiny_model_path, tmp_path):
+    """FSDP2 on 2 CPU processes saves a distributed checkpoint (a folder of shards); a run resumed from it with
+    `--ckpt_path=last` logs the same third step as an uninterrupted run: weights, optimiser states, the engine's
+    sampling RNG, the shuffling RNG and the env seeds all came back."""
+    def fit(root, steps, *extra):
+        args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml"),
+                "--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml"), f"--model.model={tiny_model_path}",
+                f"--trainer.logger.init_args.save_dir={root}", *SMALL, f"--trainer.max_steps={steps}",
+                "--trainer.enable_checkpointing=true", *extra]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=root,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def last_step(root, version):
+        with open(root / "sokoban" / f"version_{version}" / "metrics.csv") as f:
+            row = [r for r in csv.DictReader(f) if r.get("filter/kept_frac")][-1]
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/")) and k != "epoch"}
+
+    for name in ("straight", "resumed"):
+        (tmp_path / name).mkdir()
+    fit(tmp_path / "straight", 3)
+    fit(tmp_path / "resumed", 2)
+    assert (tmp_path / "resumed" / "sokoban" / "version_0" / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+    fit(tmp_path / "resumed", 3, "--ckpt_path=last")
+    straight, resumed = last_step(tmp_path / "straight", 0), last_step(tmp_path / "resumed", 1)
+    assert resumed["step"] == "2" and float(resumed["loss/policy"]) == float(resumed["loss/policy"])
+    assert resumed == straight
+
+
 def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
     """A rank that keeps fewer trajectories pads with rows that carry no loss and join no real group."""
     from ragen_pl.advantages import GRPO
