@@ -10,8 +10,9 @@ A multi-turn prompt extends the previous turn's prompt and answer. The engine ke
 (the env's message): a Sokoban rollout of ``benchmarks/rollout.py`` feeds 2.4 prompt tokens per sampled one instead
 of 11. The collector ends each rollout with :meth:`HFEngine.end_rollout`, and new weights clear the cache as well.
 
-Under FSDP every rank must run the same number of forward passes (each all-gathers parameters), so with
-``sync_ranks`` a rank that has finished keeps stepping with a one-token dummy input until every rank is done.
+A sharded policy (FSDP) samples through an unsharded copy of its weights by default. Sampling the sharded model
+itself (``gather_sharded=False``), every rank must run the same number of forward passes (each all-gathers
+parameters), so a rank that has finished keeps stepping with a one-token dummy input until every rank is done.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class HFEngine(RolloutEngine):
         """
         Args:
             seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
-            sync_ranks: keep every rank stepping until all are done (needed when a sharded model samples itself);
-                ``None`` turns it on whenever torch.distributed is initialised.
+            sync_ranks: keep every rank stepping until all are done (needed when a sharded model samples itself:
+                its forward is collective); ``None`` turns it on exactly then. An unsharded policy (one process,
+                DDP) or a sharded one's unsharded copy samples each rank on its own, through CUDA graphs on a GPU.
             cuda_graphs: on a CUDA device (and unsharded), decode with a static KV cache and the step replayed as a
                 CUDA graph (:mod:`ragen_pl.rollout.static`); falls back to the eager loop, with a warning, if the
                 model cannot be captured.
@@ -171,8 +173,11 @@ class HFEngine(RolloutEngine):
             saved = {"device_type": "cpu", "state": saved}
         self._pending_state, self.generator = saved, None
 
-    def _sync(self) -> bool:
-        return self.sync_ranks if self.sync_ranks is not None else (dist.is_available() and dist.is_initialized())
+    def _sync(self, model: nn.Module) -> bool:
+        """Whether sampling ``model`` keeps the ranks in lockstep (see ``sync_ranks``)."""
+        if self.sync_ranks is not None:
+            return self.sync_ranks
+        return dist.is_available() and dist.is_initialized() and _is_sharded(model)
 
     def _any_rank(self, flag: bool, device: torch.device) -> bool:
         t = torch.tensor([int(flag)], device=device)
@@ -185,7 +190,7 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine.generate called before bind(model, tokenizer)")
         model, tok = self._sampling_model(), self.tokenizer
         device = next(model.parameters()).device
-        sync = self._sync() and model is self.model  # a private copy samples without collectives
+        sync = self._sync(model)
         was_training = model.training
         model.eval()
         try:

@@ -332,3 +332,29 @@ def test_static_path_drops_finished_rows_with_the_same_answers(tiny):
     for a, b in zip(runs[True], runs[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_only_a_sharded_model_sampling_itself_keeps_ranks_in_lockstep(tiny, monkeypatch):
+    """Under torch.distributed an unsharded policy (DDP, or a sharded one's copy) samples each rank on its own: no
+    collective per decode step, and the CUDA-graph path stays open on a GPU. Asking for lockstep still gets it."""
+    import torch.distributed as dist
+
+    model, tok = tiny
+    reduces = []
+
+    def all_reduce(t, op=None):
+        reduces.append(1)  # one process: the reduction of a flag is the flag itself
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    prompts = [tok("State: #_")["input_ids"], tok("State:")["input_ids"]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, stop=[], ignore_eos=True)
+    engine = HFEngine()
+    engine.bind(model, tok)
+    assert not engine._sync(model)
+    alone = [g.token_ids for g in engine.generate(prompts, params)]
+    assert reduces == []
+    stepped = HFEngine(sync_ranks=True)
+    stepped.bind(model, tok)
+    assert [g.token_ids for g in stepped.generate(prompts, params)] == alone
+    assert len(reduces) == 1 + params.max_new_tokens  # before the prefill, then after every step
