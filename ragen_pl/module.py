@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -140,6 +140,20 @@ class LoraSettings:
     """Dropout on the LoRA path."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get adapters."""
+
+
+class MicroLoss(NamedTuple):
+    """One micro-batch's share of a mini-batch update (:meth:`RagenModule.micro_loss`)."""
+
+    actor: Tensor
+    """The actor's loss (with a shared value head's value loss), scaled to add up over the mini-batch."""
+    critic: Tensor | None
+    """A separate critic's scaled value loss; None without one."""
+    metrics: dict[str, Tensor]
+    """Detached loss terms and statistics, averaged over the update."""
+    old_logprobs: Tensor
+    """(n, T) the old log-probs the ratio used: the batch's, or this forward's own (detached) when the update
+    scores the old policy itself (:meth:`RagenModule.scores_old_policy_in_update`)."""
 
 
 class ValueModel(nn.Module):
@@ -467,7 +481,7 @@ class RagenModule(pl.LightningModule):
             return mask.sum().clamp(min=1)
         return mask.any(-1).sum().clamp(min=1)
 
-    def micro_loss(self, part: TrajectoryBatch, mini_count: Tensor) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    def micro_loss(self, part: TrajectoryBatch, mini_count: Tensor) -> MicroLoss:
         """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch."""
         p = self.ppo
         T = int(part.attention_mask.sum(-1).max())
@@ -478,7 +492,6 @@ class RagenModule(pl.LightningModule):
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s["logprobs"].detach()
         pg, metrics = policy_loss(s["logprobs"], old, part.advantages[:, :T], mask,
                                   p.clip_low, p.clip_high, p.dual_clip, p.loss_agg)
-        metrics["old_logprobs"] = old
         ent = aggregate(s["entropy"], mask, p.loss_agg)
         actor = pg - p.entropy_coeff * ent
         metrics["loss/policy"] = pg.detach()
@@ -497,7 +510,7 @@ class RagenModule(pl.LightningModule):
                 actor = actor + p.vf_coeff * vf
             else:
                 critic = vf * scale
-        return actor * scale, critic, metrics
+        return MicroLoss(actor * scale, critic, metrics, old)
 
     @override
     def training_step(self, dataloader_iter) -> None:
@@ -583,13 +596,11 @@ class RagenModule(pl.LightningModule):
                 for opt in raw:
                     opt.zero_grad(set_to_none=True)
                 for micro in micro_batches(idx, batch.attention_mask, p.micro_batch_size):
-                    actor, critic, m = self.micro_loss(batch.select(micro), mini_count)
-                    total = actor if critic is None else actor + critic
-                    self.manual_backward(total)
-                    old = m.pop("old_logprobs")
+                    loss = self.micro_loss(batch.select(micro), mini_count)
+                    self.manual_backward(loss.actor if loss.critic is None else loss.actor + loss.critic)
                     if batch.old_logprobs is None:
-                        scored.append((micro, old))
-                    for k, v in m.items():
+                        scored.append((micro, loss.old_logprobs))
+                    for k, v in loss.metrics.items():
                         sums.setdefault(k, []).append(v)
                 norms = [self._clip_grad_norm([self.policy, self.value_head], actor_params)]
                 if critic_params:

@@ -69,8 +69,8 @@ def test_micro_batches_add_up_to_the_mini_batch(tiny_model_path):
         count = module._norm_count(batch.loss_mask)
         module.zero_grad()
         for idx in torch.arange(len(batch)).split(micro):
-            actor, critic, _ = module.micro_loss(batch.select(idx), count)
-            (actor + critic).backward()
+            loss = module.micro_loss(batch.select(idx), count)
+            (loss.actor + loss.critic).backward()
         grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
 
@@ -81,8 +81,8 @@ def test_non_finite_gradient_skips_the_step(tiny_model_path, monkeypatch):
     original = module.micro_loss
 
     def poisoned(part, count):
-        actor, critic, metrics = original(part, count)
-        return actor * float("nan"), critic, metrics
+        loss = original(part, count)
+        return loss._replace(actor=loss.actor * float("nan"))
 
     monkeypatch.setattr(module, "micro_loss", poisoned)
     t = trainer(1)
