@@ -22,7 +22,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -301,16 +302,31 @@ class RolloutDataModule(pl.LightningDataModule):
     # ---------------------------------------------------------------------------------- checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The env seed counter and the engine's sampling state: every rank's (each samples its own stream), gathered
+        from all ranks. Lightning calls this on every rank when it saves and writes rank 0's copy."""
         state: dict[str, Any] = {"iteration": self.iteration}
         if hasattr(self.engine, "state_dict"):
-            state["engine"] = self.engine.state_dict()
+            engine = self.engine.state_dict()
+            rank, world = self.world
+            by_rank = [engine]
+            if world > 1 and dist.is_available() and dist.is_initialized():
+                by_rank = [None] * world
+                dist.all_gather_object(by_rank, engine)
+            state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
+            state["engine_by_rank"] = by_rank
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.iteration = state_dict["iteration"]
         if "engine" in state_dict and hasattr(self.engine, "load_state_dict"):
-            self.engine.load_state_dict(state_dict["engine"])
+            rank, world = self.world
+            by_rank = state_dict.get("engine_by_rank", [state_dict["engine"]])
+            if len(by_rank) == world:
+                self.engine.load_state_dict(by_rank[rank])
+            else:
+                rank_zero_warn(f"the checkpoint holds the sampling state of {len(by_rank)} process(es) and this run "
+                               f"has {world}: sampling restarts from the engine's seed")
         # A reused rollout is not checkpointed: resuming mid-reuse starts a fresh rollout.
         self._last = None
         self._steps_since_rollout = 0

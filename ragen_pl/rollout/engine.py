@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch.distributed as dist
 from torch import Tensor
+
+
+def process_rank() -> int:
+    """This process's rank under torch.distributed, 0 without it. Engines offset their sampling seed by it, so that
+    ranks sampling the same prompt (a Bandit's every group) draw different answers."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_rank
 
 
 def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -74,7 +74,8 @@ class HFEngine(RolloutEngine):
                  gather_sharded: bool = True, prefix_cache: bool = True) -> None:
         """
         Args:
-            seed: seed of the sampling generator (its state is checkpointed, so a resumed run samples the same).
+            seed: seed of the sampling generator; each process seeds with ``seed + rank``. Its state is
+                checkpointed (every rank's), so a resumed run samples the same.
             sync_ranks: keep every rank stepping until all are done (needed when a sharded model samples itself:
                 its forward is collective); ``None`` turns it on exactly then. An unsharded policy (one process,
                 DDP) or a sharded one's unsharded copy samples each rank on its own, through CUDA graphs on a GPU.
@@ -155,7 +156,7 @@ class HFEngine(RolloutEngine):
         """
         g = self.generator
         if g is None or g.device != device:
-            g = self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            g = self.generator = torch.Generator(device=device).manual_seed(self.seed + process_rank())
             pending, self._pending_state = self._pending_state, None
             if pending is not None and pending["device_type"] == device.type:
                 g.set_state(pending["state"])

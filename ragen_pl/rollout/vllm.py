@@ -20,10 +20,11 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
-from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_rank
 
 
 class VLLMEngine(RolloutEngine):
@@ -81,14 +82,36 @@ class VLLMEngine(RolloutEngine):
         path = getattr(getattr(base, "config", config), "_name_or_path", None)
         if not path:
             raise ValueError("the vllm engine needs a policy loaded with from_pretrained (its checkpoint path)")
-        kwargs = dict(model=path, dtype=self.dtype, seed=self.seed, enable_sleep_mode=self.enable_sleep_mode,
-                      gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs",
-                      tensor_parallel_size=self.tensor_parallel_size)
+        kwargs = dict(model=path, dtype=self.dtype, seed=self.seed + process_rank(),
+                      enable_sleep_mode=self.enable_sleep_mode, gpu_memory_utilization=self.gpu_memory_utilization,
+                      logprobs_mode="processed_logprobs", tensor_parallel_size=self.tensor_parallel_size)
+        kwargs.update(self._colocated_launch())
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         self.llm = vllm.LLM(**kwargs)
         self.asleep = set()
         self.tokenizer = tokenizer
+
+    def _colocated_launch(self) -> dict:
+        """Under several training processes, each one's vLLM runs in that process on that process's GPU.
+
+        vLLM's default in-process executor picks its GPU by a local rank of 0, so every rank's engine (and, through
+        ``set_device``, every rank's training) would land on GPU 0. The ``external_launcher`` backend, made for engines
+        launched by torchrun-like launchers, reads the rank and local rank from the environment and joins the
+        process group the trainer already made. Each process's engine samples its own prompts, so tensor
+        parallelism across training processes (which needs the same prompts on every rank of a group) is refused.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return {}
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(f"`engine.tensor_parallel_size` ({self.tensor_parallel_size}) > 1 needs a single "
+                              f"training process; this run has {dist.get_world_size()}: use 1 (each process's "
+                              "engine samples on its own GPU)")
+        import torch
+
+        local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+        os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(local), WORLD_SIZE=str(dist.get_world_size()))
+        return {"distributed_executor_backend": "external_launcher"}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.llm is None:

@@ -346,6 +346,7 @@ def test_only_a_sharded_model_sampling_itself_keeps_ranks_in_lockstep(tiny, monk
         reduces.append(1)  # one process: the reduction of a flag is the flag itself
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     prompts = [tok("State: #_")["input_ids"], tok("State:")["input_ids"]]
     params = SamplingParams(temperature=0.0, max_new_tokens=5, stop=[], ignore_eos=True)
@@ -358,3 +359,21 @@ def test_only_a_sharded_model_sampling_itself_keeps_ranks_in_lockstep(tiny, monk
     stepped.bind(model, tok)
     assert [g.token_ids for g in stepped.generate(prompts, params)] == alone
     assert len(reduces) == 1 + params.max_new_tokens  # before the prefill, then after every step
+
+
+def test_each_rank_samples_its_own_stream(tiny, monkeypatch):
+    """Ranks given the same prompts (a Bandit's every group) must not draw the same answers: the generator is
+    seeded with seed + rank."""
+    import ragen_pl.rollout.hf as hf
+
+    model, tok = tiny
+    prompts = [tok("State: #_")["input_ids"]] * 4
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop=[], ignore_eos=True)
+    drawn = []
+    for rank in (0, 1, 0):
+        monkeypatch.setattr(hf, "process_rank", lambda rank=rank: rank)
+        engine = HFEngine(seed=3)
+        engine.bind(model, tok)
+        drawn.append([g.token_ids for g in engine.generate(prompts, params)])
+    assert drawn[0] == drawn[2]  # a rank's stream is reproducible
+    assert drawn[0] != drawn[1]

@@ -105,6 +105,35 @@ def test_sleeping_engine_wakes_its_weights_before_a_weight_sync(tiny, monkeypatc
     assert plain.llm.calls == [("reload_weights", len(state)), ("reset_prefix_cache",)]
 
 
+def test_each_training_process_runs_its_own_engine_on_its_own_device(tiny, monkeypatch):
+    """Under several processes vLLM joins the trainer's process group through `external_launcher`, with this
+    process's rank and device, and a seed of its own; alone, it keeps vLLM's defaults. Stand-in, no vLLM needed."""
+    import os
+
+    import torch.distributed as dist
+
+    from ragen_pl.rollout.vllm import VLLMEngine
+
+    model, tok = tiny
+    monkeypatch.setattr(model.config, "_name_or_path", "/some/folder")
+    seen = {}
+    _stand_in_vllm(monkeypatch, lambda **kwargs: seen.update(kwargs) or object())
+    VLLMEngine(seed=5).bind(model, tok)
+    assert "distributed_executor_backend" not in seen and seen["seed"] == 5
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    seen.clear()
+    VLLMEngine(seed=5).bind(model, tok)
+    assert seen["distributed_executor_backend"] == "external_launcher" and seen["seed"] == 8
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+    with pytest.raises(ConfigError, match=r"`engine.tensor_parallel_size` \(2\) > 1 needs a single training process"):
+        VLLMEngine(tensor_parallel_size=2).bind(model, tok)
+
+
 def test_missing_vllm_is_a_clear_error(tiny, monkeypatch):
     import builtins
 
@@ -145,3 +174,27 @@ def test_vllm_greedy_matches_hf_and_weight_sync_follows_the_policy(tiny_model_pa
     vl.load_weights(model.state_dict())
     a, b = hf.generate(prompts, params), vl.generate(prompts, params)
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_two_ddp_processes_sample_with_vllm(tiny_model_path, tmp_path):
+    """`ragen-pl fit` on 2 CPU processes (DDP, gloo) with the vllm engine: each process builds its engine through
+    `external_launcher` inside the trainer's process group, samples, and takes the weights after each update."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", "configs/quickstart.yaml",
+            f"--model.model={tiny_model_path}", "--data.engine=vllm", "--trainer.strategy=ddp", "--trainer.devices=2",
+            "--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--trainer.enable_checkpointing=false"]
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("Using external launcher for distributed inference") == 2
+    # vLLM logs the reloads of rank 0 under external_launcher: before the first rollout, then after each update
+    assert out.count("Reloading and processing weights took") >= 3
