@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -107,8 +108,6 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(f"`engine.tensor_parallel_size` ({self.tensor_parallel_size}) > 1 needs a single "
                               f"training process; this run has {dist.get_world_size()}: use 1 (each process's "
                               "engine samples on its own GPU)")
-        import torch
-
         local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
         os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(local), WORLD_SIZE=str(dist.get_world_size()))
         return {"distributed_executor_backend": "external_launcher"}
