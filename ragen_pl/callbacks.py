@@ -14,7 +14,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 
@@ -73,36 +73,29 @@ class TrajectorySamples(Callback):
         if n < 1:
             raise ValueError(f"`TrajectorySamples.n` must be >= 1, got {n}")
         self.n = n
-        self._pending: list[dict[str, Any]] = []
 
     @override
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        result = getattr(_datamodule(trainer), "last_eval", None)
-        if result is None:
-            return
-        for ep in result.episodes[: self.n]:
-            self._pending.append({
-                "env": ep.env.tag, "seed": ep.spec.seed, "success": ep.success, "return": ep.env_return,
-                "failed": ep.failed, "transcript": ep.transcript,
-            })
-
-    @override
-    @rank_zero_only
     def on_validation_end(self, trainer, pl_module) -> None:
-        if not self._pending:
-            return
+        # Every rank asks: `trainer.log_dir` is a broadcast, so asking on rank 0 alone hangs a multi-process run.
         root = Path(trainer.log_dir or trainer.default_root_dir)
+        results = getattr(_datamodule(trainer), "eval_results", {})
+        # Each env's own episodes (Lightning plays the next env's evaluation before the previous batch's hooks run,
+        # so a per-batch hook would see the wrong env).
+        rows = [{"env": ep.env.tag, "seed": ep.spec.seed, "success": ep.success, "return": ep.env_return,
+                 "failed": ep.failed, "transcript": ep.transcript}
+                for result in results.values() for ep in result.episodes[: self.n]]
+        results.clear()
+        if not trainer.is_global_zero or not rows:
+            return
         out = root / "samples" / f"step_{trainer.global_step:06d}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as f:
-            for row in self._pending:
+            for row in rows:
                 f.write(json.dumps({"step": trainer.global_step, **row}) + "\n")
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
-                rows = [[r["env"], r["seed"], r["success"], r["return"], json.dumps(r["transcript"])]
-                        for r in self._pending]
-                logger.log_table("samples", columns=["env", "seed", "success", "return", "transcript"], data=rows)
-        self._pending = []
+                table = [[r["env"], r["seed"], r["success"], r["return"], json.dumps(r["transcript"])] for r in rows]
+                logger.log_table("samples", columns=["env", "seed", "success", "return", "transcript"], data=table)
 
 
 class EchoTrapAlarm(Callback):

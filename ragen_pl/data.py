@@ -128,6 +128,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._last: RolloutBatch | None = None
         self._steps_since_rollout = 0
         self.collector: Collector | None = None
+        self.eval_results: dict[str, RolloutResult] = {}
+        """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
 
     # ------------------------------------------------------------------------------------------- setup
     @property
@@ -284,7 +286,7 @@ class RolloutDataModule(pl.LightningDataModule):
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
                        f"{len(specs)} episodes")
-        self.last_eval = result
+        self.eval_results[env.tag] = result
         return metrics
 
     def _eval_loaders(self, prefix: str) -> list[DataLoader]:

@@ -113,8 +113,9 @@ def test_alarm_arguments():
 
 def test_step0_validation_and_samples(tiny_model_path, tmp_path):
     module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    other = Bandit(low_arm="Trader", high_arm="Librarian", tag="BanditTraderLibrarian")
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=4,
-                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+                           val_envs=[Bandit(), other], rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
     logger = CSVLogger(tmp_path)
     trainer = pl.Trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, logger=logger,
                          enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
@@ -128,7 +129,10 @@ def test_step0_validation_and_samples(tiny_model_path, tmp_path):
     samples = list((tmp_path / "lightning_logs" / "version_0" / "samples").glob("*.jsonl"))
     assert len(samples) == 1
     lines = [json.loads(x) for x in samples[0].read_text().splitlines()]
-    assert len(lines) == 3 and lines[0]["env"] == "Bandit" and lines[0]["transcript"][0]["role"] == "env"
+    # 3 of each env's own episodes (the second env's were once written for both)
+    assert [(x["env"], x["seed"]) for x in lines] == [("Bandit", 1_000_000 + k) for k in range(3)] + [
+        ("BanditTraderLibrarian", 1_000_000 + k) for k in range(3)]
+    assert lines[0]["transcript"][0]["role"] == "env" and "Trader" in json.dumps(lines[3]["transcript"])
 
 
 class Replay(pl.Callback):

@@ -2,6 +2,7 @@
 filter, which must rank all groups of all ranks together."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,31 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["filter/kept_frac"]) == 0.5  # top 50% of the 4 groups of both ranks together
         assert float(r["train/optimizer_steps"]) >= 1
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
+
+
+@pytest.mark.slow
+def test_a_ddp_run_evaluates_and_writes_samples(tiny_model_path, tmp_path):
+    """Evaluation under 2 processes: the evaluation before training and after each iteration finish (a callback that
+    asked for the log folder on rank 0 alone hung the run at the first evaluation), are averaged over both ranks'
+    episodes, and rank 0 writes the sample trajectories."""
+    small = [a for a in SMALL if not a.startswith(("--trainer.limit_val_batches", "--trainer.max_steps"))]
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "bandit.yaml"),
+            "--trainer.strategy=ddp", f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *small, "--trainer.max_steps=2", "--trainer.val_check_interval=1", "--data.val_episodes=4"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = next(tmp_path.glob("bandit/version_*"))
+    with open(run / "metrics.csv") as f:
+        evaluated = [r for r in csv.DictReader(f) if r.get("val/Bandit/success")]
+    assert [r["step"] for r in evaluated] == ["0", "0", "1"]  # before training, then after iterations 1 and 2
+    samples = sorted((run / "samples").glob("step_*.jsonl"))
+    assert [p.name for p in samples] == ["step_000001.jsonl", "step_000002.jsonl"]
+    for path in samples:  # rank 0's 2 of each env's 4 episodes
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [(r["env"], r["seed"]) for r in rows] == [("Bandit", 1_000_000), ("Bandit", 1_000_002),
+                                                          ("BanditTraderLibrarian", 1_000_000),
+                                                          ("BanditTraderLibrarian", 1_000_002)]
 
 
 @pytest.mark.slow
