@@ -275,17 +275,21 @@ class RolloutDataModule(pl.LightningDataModule):
         return DataLoader(_Stream(self.next_rollout), batch_size=None, num_workers=0)
 
     # -------------------------------------------------------------------------------------- evaluation
+    def eval_seeds(self) -> range:
+        """This rank's share of the fixed evaluation seeds (every ``world``-th one)."""
+        rank, world = self.world
+        return range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
+
     def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
-        rank, world = self.world
-        seeds = range(self.val_seed + rank, self.val_seed + self.val_episodes, world)
-        specs = [EpisodeSpec(env, seed=s, group_id=s) for s in seeds]
+        specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
         result = self._collect(specs, temperature=self.val_temperature)
         if result.episodes and all(ep.failed is not None for ep in result.episodes):
             raise RolloutError(f"every {prefix} episode of env {env.tag!r} failed; {_failures(result)}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
+        share = f" (rank 0's share; the logged value averages all {self.world[1]} ranks)" if self.world[1] > 1 else ""
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
-                       f"{len(specs)} episodes")
+                       f"{len(specs)} episodes{share}")
         self.eval_results[env.tag] = result
         return metrics
 
