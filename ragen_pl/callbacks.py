@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
+
+from ragen_pl.metrics import mean_over_ranks
 
 
 def _datamodule(trainer: pl.Trainer):
@@ -55,25 +56,10 @@ class ValidateAtStart(Callback):
             for env in dm.val_envs:
                 metrics.update({k: float(v) for k, v in dm.evaluate(env, "val").items()})
         pl_module.train(was_training)
-        metrics = _mean_over_ranks(trainer, metrics, len(dm.eval_seeds()))
+        metrics = mean_over_ranks(metrics, {}, default_weight=len(dm.eval_seeds()))  # every rank's episodes
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
-
-
-def _mean_over_ranks(trainer: pl.Trainer, metrics: dict[str, float], episodes: int) -> dict[str, float]:
-    """Each metric averaged over all ranks' evaluation episodes (each rank played ``episodes`` of them); a metric
-    some rank lacks is averaged over the ranks that have it. One process: ``metrics`` as they are."""
-    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return metrics
-    gathered: list[Any] = [None] * trainer.world_size
-    dist.all_gather_object(gathered, (episodes, metrics))
-    keys = sorted({k for _, m in gathered for k in m})
-    out = {}
-    for k in keys:
-        parts = [(n, m[k]) for n, m in gathered if k in m and n > 0]
-        out[k] = sum(n * v for n, v in parts) / max(sum(n for n, _ in parts), 1)
-    return out
 
 
 class TrajectorySamples(Callback):

@@ -172,7 +172,9 @@ class RolloutDataModule(pl.LightningDataModule):
                  for g in range(first_group, first_group + local) for _ in range(self.group_size)]
         result = self._collect(specs)
         self.iteration += 1
-        metrics = rollout_metrics(result.episodes)
+        # Per env whenever the run has several: a rank may play only some of them, and its metrics must still say
+        # which (see ragen_pl.metrics.mean_over_ranks).
+        metrics = rollout_metrics(result.episodes, by_tag=True if len(self.envs) > 1 else None)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
         batch = result.batch

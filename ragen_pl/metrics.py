@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ragen_pl.rollout.collector import Episode
@@ -105,13 +106,41 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(episodes: Sequence[Episode], prefix: str = "rollout") -> dict[str, Tensor]:
-    """Batch-wide metrics under ``prefix/``, and per env tag under ``prefix/<tag>/`` when there are several tags."""
+def rollout_metrics(episodes: Sequence[Episode], prefix: str = "rollout", by_tag: bool | None = None
+                    ) -> dict[str, Tensor]:
+    """Batch-wide metrics under ``prefix/``, and per env tag under ``prefix/<tag>/`` when there are several tags
+    (``by_tag=None``), always (``True``: a run of several envs, some of whose processes may play only one) or
+    never (``False``)."""
     out = {f"{prefix}/{k}": torch.tensor(v) for k, v in episode_metrics(episodes).items()}
-    by_tag: dict[str, list[Episode]] = defaultdict(list)
+    by_tag_episodes: dict[str, list[Episode]] = defaultdict(list)
     for ep in episodes:
-        by_tag[ep.env.tag].append(ep)
-    if len(by_tag) > 1:
-        for tag, eps in by_tag.items():
+        by_tag_episodes[ep.env.tag].append(ep)
+    if by_tag if by_tag is not None else len(by_tag_episodes) > 1:
+        for tag, eps in by_tag_episodes.items():
             out.update({f"{prefix}/{tag}/{k}": torch.tensor(v) for k, v in episode_metrics(eps).items()})
     return out
+
+
+def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str, float], default_weight: float
+                    ) -> dict[str, float]:
+    """Each metric averaged over the processes that report it, each process weighted by what its value averages
+    over (``weights[key]``, else ``default_weight``): one ``all_gather_object`` per call.
+
+    Processes may report different metrics: one that played only some envs has no per-env metrics of the others.
+    Lightning's ``sync_dist`` reduces key by key and needs the same keys in the same order on every process (else it
+    pairs the wrong values, or hangs). Without torch.distributed (or on one process) the metrics come back as they
+    are, as floats.
+    """
+    mine = {k: float(v) for k, v in metrics.items()}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, {k: float(weights.get(k, default_weight)) for k in mine}))
+    sums: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
+    for values, weight in gathered:
+        for k, v in values.items():
+            if weight[k] > 0:
+                sums[k] += weight[k] * v
+                total[k] += weight[k]
+    return {k: sums[k] / total[k] if total[k] > 0 else float("nan") for k in sorted({k for v, _ in gathered for k in v})}

@@ -17,6 +17,7 @@ count iterations, so ``max_steps`` and checkpoint intervals are in iterations.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -35,6 +36,7 @@ from ragen_pl.losses import (
     policy_loss,
     value_loss,
 )
+from ragen_pl.metrics import mean_over_ranks
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.types import KLEstimator, LossAgg, TrajectoryBatch
 
@@ -544,9 +546,11 @@ class RagenModule(pl.LightningModule):
         if rollout_time > 0:
             metrics["throughput/rollout_tokens_per_s"] = torch.tensor(tokens / rollout_time)
             metrics["throughput/trajectories_per_s"] = torch.tensor(len(rollout.result.episodes) / rollout_time)
-        # Each rank plays the same number of groups, so the mean over ranks is the batch mean.
-        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in metrics.items()},
-                      on_step=True, batch_size=len(batch), sync_dist=True)
+        # Each rank plays the same number of trajectories: a batch-wide metric is the plain mean over ranks; a
+        # per-env one is weighted by each rank's trajectories of that env (a rank may play only some envs).
+        tags = Counter(ep.env.tag for ep in rollout.result.episodes) if rollout.result is not None else Counter()
+        weights = {k: tags[k.split("/")[1]] for k in metrics if k.count("/") >= 2 and k.split("/")[1] in tags}
+        self.log_dict(mean_over_ranks(metrics, weights, default_weight=1.0), on_step=True, batch_size=len(batch))
         # One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
         # exactly one per iteration (see the module docstring).
         opts = self.optimizers()
@@ -631,8 +635,13 @@ class RagenModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------- validation
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.log_dict({k: torch.as_tensor(v, dtype=torch.float32, device=self.device) for k, v in batch.items()},
-                      add_dataloader_idx=False, batch_size=1, sync_dist=True)
+        """``batch``: one env's evaluation metrics on this rank, averaged over every rank's episodes here."""
+        eval_seeds = getattr(self.trainer.datamodule, "eval_seeds", None)
+        episodes = len(eval_seeds()) if eval_seeds is not None else 1
+        # Every rank holds the same means after mean_over_ranks; sync_dist keeps Lightning's epoch-level logging
+        # (and its warning about unsynced values) content.
+        self.log_dict(mean_over_ranks(batch, {}, default_weight=episodes), add_dataloader_idx=False, batch_size=1,
+                      sync_dist=True)
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -207,25 +207,3 @@ def test_other_loggers(kind, tiny_model_path, tmp_path, monkeypatch):
     else:
         assert list(tmp_path.rglob("events.out.tfevents.*"))
     assert list(tmp_path.rglob("samples/step_*.jsonl"))
-
-
-def test_step0_evaluation_averages_every_ranks_episodes(monkeypatch):
-    """Under several processes the step-0 evaluation logs the mean over all ranks' episodes (it logged rank 0's
-    share), each rank weighted by its episode count; a metric one rank lacks averages over the ranks that have it."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    from ragen_pl.callbacks import _mean_over_ranks
-
-    others = [(2, {"val/B/success": 0.0, "val/B/turns": 2.0})]
-
-    def all_gather_object(out, obj):
-        out[:] = [obj, *others]
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    mine = {"val/B/success": 1.0, "val/B/turns": 1.0, "val/B/failed": 0.5}
-    out = _mean_over_ranks(SimpleNamespace(world_size=2), mine, 3)
-    assert out == pytest.approx({"val/B/success": 0.6, "val/B/turns": 1.4, "val/B/failed": 0.5})
-    assert _mean_over_ranks(SimpleNamespace(world_size=1), mine, 3) is mine

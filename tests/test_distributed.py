@@ -121,6 +121,25 @@ def test_a_ddp_run_evaluates_and_writes_samples(tiny_model_path, tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_playing_different_envs_log_every_envs_metrics(tiny_model_path, tmp_path):
+    """Two envs, one group per rank: rank 0 plays only Bandit and rank 1 only FrozenLake. Both envs' metrics are
+    logged, each from the rank that played it, and the batch-wide success is their mean (equal trajectory counts)."""
+    small = [a for a in SMALL if not a.startswith(("--data.", "--trainer.max_steps"))]
+    args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+            "--trainer.strategy=ddp", f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *small, "--trainer.max_steps=1", "--data.n_groups=2", "--data.group_size=2",
+            "--data.rollout.max_new_tokens=6", "--data.rollout.max_turns=2"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(next(tmp_path.glob("quickstart/version_*/metrics.csv"))) as f:
+        row = [r for r in csv.DictReader(f) if r.get("rollout/success")][-1]
+    for name in ("success", "format_error_rate", "response_tokens", "turns"):
+        bandit, lake = float(row[f"rollout/Bandit/{name}"]), float(row[f"rollout/FrozenLakeNoSlip/{name}"])
+        assert float(row[f"rollout/{name}"]) == pytest.approx((bandit + lake) / 2), name
+
+
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_exactly(tiny_model_path, tmp_path):
     """FSDP2 on 2 CPU processes saves a distributed checkpoint (a folder of shards); a run resumed from it with
     `--ckpt_path=last` logs the same third step as an uninterrupted run: weights, optimiser states, the engine's
