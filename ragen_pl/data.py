@@ -33,7 +33,7 @@ from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
 from ragen_pl.metrics import rollout_metrics
 from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig, RolloutResult
-from ragen_pl.rollout.engine import RolloutEngine
+from ragen_pl.rollout.engine import RolloutEngine, process_count
 from ragen_pl.rollout.hf import HFEngine
 from ragen_pl.types import TrajectoryBatch, TrajectoryStats
 
@@ -315,10 +315,9 @@ class RolloutDataModule(pl.LightningDataModule):
         state: dict[str, Any] = {"iteration": self.iteration}
         if hasattr(self.engine, "state_dict"):
             engine = self.engine.state_dict()
-            rank, world = self.world
             by_rank = [engine]
-            if world > 1 and dist.is_available() and dist.is_initialized():
-                by_rank = [None] * world
+            if process_count() > 1:
+                by_rank = [None] * process_count()
                 dist.all_gather_object(by_rank, engine)
             state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
             state["engine_by_rank"] = by_rank

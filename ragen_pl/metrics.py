@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ragen_pl.rollout.collector import Episode
+from ragen_pl.rollout.engine import process_count
 
 SUCCESS = "success"
 PASS_AT_K = "pass_at_k"
@@ -112,11 +113,13 @@ def rollout_metrics(episodes: Sequence[Episode], prefix: str = "rollout", by_tag
     (``by_tag=None``), always (``True``: a run of several envs, some of whose processes may play only one) or
     never (``False``)."""
     out = {f"{prefix}/{k}": torch.tensor(v) for k, v in episode_metrics(episodes).items()}
-    by_tag_episodes: dict[str, list[Episode]] = defaultdict(list)
+    of_tag: dict[str, list[Episode]] = defaultdict(list)
     for ep in episodes:
-        by_tag_episodes[ep.env.tag].append(ep)
-    if by_tag if by_tag is not None else len(by_tag_episodes) > 1:
-        for tag, eps in by_tag_episodes.items():
+        of_tag[ep.env.tag].append(ep)
+    if by_tag is None:
+        by_tag = len(of_tag) > 1
+    if by_tag:
+        for tag, eps in of_tag.items():
             out.update({f"{prefix}/{tag}/{k}": torch.tensor(v) for k, v in episode_metrics(eps).items()})
     return out
 
@@ -132,9 +135,10 @@ def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str,
     are, as floats.
     """
     mine = {k: float(v) for k, v in metrics.items()}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    world = process_count()
+    if world == 1:
         return mine
-    gathered: list = [None] * dist.get_world_size()
+    gathered: list = [None] * world
     dist.all_gather_object(gathered, (mine, {k: float(weights.get(k, default_weight)) for k in mine}))
     sums: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
@@ -143,4 +147,5 @@ def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str,
             if weight[k] > 0:
                 sums[k] += weight[k] * v
                 total[k] += weight[k]
-    return {k: sums[k] / total[k] if total[k] > 0 else float("nan") for k in sorted({k for v, _ in gathered for k in v})}
+    keys = sorted({k for values, _ in gathered for k in values})  # the same order on every rank
+    return {k: sums[k] / total[k] if total[k] > 0 else float("nan") for k in keys}

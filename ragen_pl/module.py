@@ -549,7 +549,7 @@ class RagenModule(pl.LightningModule):
         # Each rank plays the same number of trajectories: a batch-wide metric is the plain mean over ranks; a
         # per-env one is weighted by each rank's trajectories of that env (a rank may play only some envs).
         tags = Counter(ep.env.tag for ep in rollout.result.episodes) if rollout.result is not None else Counter()
-        weights = {k: tags[k.split("/")[1]] for k in metrics if k.count("/") >= 2 and k.split("/")[1] in tags}
+        weights = {k: tags[tag] for k in metrics if k.count("/") >= 2 and (tag := k.split("/")[1]) in tags}
         self.log_dict(mean_over_ranks(metrics, weights, default_weight=1.0), on_step=True, batch_size=len(batch))
         # One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
         # exactly one per iteration (see the module docstring).

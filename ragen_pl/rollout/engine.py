@@ -24,6 +24,11 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def process_count() -> int:
+    """The number of processes under torch.distributed, 1 without it."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0

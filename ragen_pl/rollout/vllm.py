@@ -21,11 +21,10 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
-from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_rank
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_count, process_rank
 
 
 class VLLMEngine(RolloutEngine):
@@ -102,14 +101,15 @@ class VLLMEngine(RolloutEngine):
         process group the trainer already made. Each process's engine samples its own prompts, so tensor
         parallelism across training processes (which needs the same prompts on every rank of a group) is refused.
         """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        world = process_count()
+        if world == 1:
             return {}
         if self.tensor_parallel_size > 1:
             raise ConfigError(f"`engine.tensor_parallel_size` ({self.tensor_parallel_size}) > 1 needs a single "
-                              f"training process; this run has {dist.get_world_size()}: use 1 (each process's "
-                              "engine samples on its own GPU)")
+                              f"training process; this run has {world}: use 1 (each process's engine samples on "
+                              "its own GPU)")
         local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
-        os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(local), WORLD_SIZE=str(dist.get_world_size()))
+        os.environ.update(RANK=str(process_rank()), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
         return {"distributed_executor_backend": "external_launcher"}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
