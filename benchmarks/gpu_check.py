@@ -45,7 +45,7 @@ PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 def build_model(work: Path, shape: str) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from ragen_pl.tiny import build_tiny_model
+    from ragen_pl.models.tiny import build_tiny_model
 
     out = work / f"model-{shape}"
     if (out / "config.json").exists():

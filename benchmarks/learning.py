@@ -26,7 +26,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from ragen_pl.cli import main as cli
-    from ragen_pl.tiny import build_warm_tiny_model
+    from ragen_pl.models.tiny import build_warm_tiny_model
 
     start = time.perf_counter()
     build_warm_tiny_model()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def fit_seed(seed: int, steps: int, val_episodes: int, extra: list[str], save_dir: Path) -> Path:
     """Train the quickstart (plus ``extra`` flags) from the warm start of ``seed``; return its metrics.csv."""
     from ragen_pl.cli import main as cli
-    from ragen_pl.tiny import TinyConfig, build_warm_tiny_model
+    from ragen_pl.models.tiny import TinyConfig, build_warm_tiny_model
 
     model = build_warm_tiny_model(TinyConfig(seed=seed))
     code = cli(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), *extra, f"--model.model={model}",

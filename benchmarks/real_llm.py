@@ -29,7 +29,7 @@ def raw_level() -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.models import build_smollm2
+    from ragen_pl.models.smollm2 import build_smollm2
 
     path = build_smollm2()
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def main() -> int:
     import torch
 
     from ragen_pl.cli import main as cli
-    from ragen_pl.models import build_smollm2_warm
+    from ragen_pl.models.smollm2 import build_smollm2_warm
 
     torch.set_num_threads(2)
     start = time.perf_counter()

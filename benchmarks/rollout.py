@@ -33,10 +33,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.models.tiny import build_tiny_model, warm_start_rollout
     from ragen_pl.rollout.collector import Collector, EpisodeSpec
     from ragen_pl.rollout.engine import SamplingParams
     from ragen_pl.rollout.hf import HFEngine
-    from ragen_pl.tiny import build_tiny_model, warm_start_rollout
 
     path = build_tiny_model()
     tok = AutoTokenizer.from_pretrained(path)

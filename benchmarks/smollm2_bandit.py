@@ -24,7 +24,7 @@ def config() -> dict:
 
 
 def rollout_config():
-    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.config import RolloutConfig
 
     return RolloutConfig(**config()["data"]["rollout"])
 

@@ -32,8 +32,8 @@ def main() -> None:
     from ragen_pl.data import RolloutDataModule
     from ragen_pl.envs.sokoban import Sokoban
     from ragen_pl.filters import VarianceTopP
+    from ragen_pl.models.tiny import build_tiny_model, warm_start_rollout
     from ragen_pl.module import PPOConfig, RagenModule
-    from ragen_pl.tiny import build_tiny_model, warm_start_rollout
 
     class Clock(Callback):
         def __init__(self) -> None:

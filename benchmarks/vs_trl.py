@@ -46,7 +46,7 @@ LR, MAX_NEW = 1e-5, 8
 def bandit_prompt(tok, seed: int) -> list[int]:
     """The prompt ids ragen-pl's collector feeds for this seed (ends with the opened ``<answer>`` tag)."""
     from ragen_pl.envs.bandit import Bandit
-    from ragen_pl.rollout.collector import ChatTokens
+    from ragen_pl.rollout.chat import ChatTokens
     from ragen_pl.rollout.prompt import first_user_message, format_instruction
 
     cfg = rollout_config()

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from ragen_pl.metrics import mean_over_ranks
+from ragen_pl.dist import mean_over_ranks
 
 
 def _datamodule(trainer: pl.Trainer):

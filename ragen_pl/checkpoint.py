@@ -175,26 +175,30 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+#: Model settings that are components: saved as a class path (and ``<name>_args``), given as {class_path, init_args}.
+COMPONENTS = ("advantage", "policy_loss")
+
+
 def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str = "model") -> list[str]:
     """``--flag: checkpoint X, given Y`` for each model setting in both that differs (nested settings by path)."""
     out = []
+    args_keys = {f"{c}_args" for c in COMPONENTS}
     for key, old in saved.items():
-        if key not in given or key.startswith("_"):
+        if key not in given or key.startswith("_") or key in args_keys:
             continue
         new, flag = given[key], f"{prefix}.{key}"
-        if key == "advantage":  # saved as the class path; the config has {class_path, init_args}
+        if key in COMPONENTS:  # saved as the class path; the config has {class_path, init_args}
             new = new.get("class_path") if isinstance(new, dict) else new
         if isinstance(old, dict) and isinstance(new, dict):
-            if key == "advantage_args":
-                continue
             out += model_differences(old, new, flag)
         elif _plain(old) != _plain(new):
             out.append(f"--{flag}: checkpoint {old!r}, given {new!r}")
-    adv_old, adv_new = saved.get("advantage_args"), given.get("advantage")
-    if isinstance(adv_old, dict) and isinstance(adv_new, dict):
-        args = adv_new.get("init_args") or {}
-        out += [f"--{prefix}.advantage.init_args.{k}: checkpoint {v!r}, given {args[k]!r}"
-                for k, v in adv_old.items() if k in args and _plain(v) != _plain(args[k])]
+    for component in COMPONENTS:
+        args_old, args_new = saved.get(f"{component}_args"), given.get(component)
+        if isinstance(args_old, dict) and isinstance(args_new, dict):
+            args = args_new.get("init_args") or {}
+            out += [f"--{prefix}.{component}.init_args.{k}: checkpoint {v!r}, given {args[k]!r}"
+                    for k, v in args_old.items() if k in args and _plain(v) != _plain(args[k])]
     return out
 
 

@@ -71,18 +71,19 @@ def _cmd_play(args: argparse.Namespace) -> int:
     return 0
 
 
-def _install_entry_name_resolver() -> None:
+def install_entry_name_resolver() -> None:
     """Let jsonargparse resolve entry names (``grpo``) to the registered class, besides class names and paths.
 
     jsonargparse resolves ``class_path`` values through ``resolve_class_path_by_name``; wrapping it is the one seam
-    it offers. If a jsonargparse release moves it, entry names stop resolving but class paths keep working.
+    it offers (a private one: tests/test_registry.py pins it, so a jsonargparse release that moves it fails the
+    suite). Without it, entry names stop resolving but class paths and class names keep working.
     """
     from jsonargparse import _typehints
 
     original = getattr(_typehints, "resolve_class_path_by_name", None)
     if original is None or getattr(original, "_ragen_pl", False):
         return
-    bases = {registry._import_target(target): group for group, target in registry.GROUPS.items()}
+    bases = {registry.import_target(target): group for group, target in registry.GROUPS.items()}
 
     def resolve(cls, name):
         groups = [bases[b] for b in (cls if isinstance(cls, tuple) else (cls,)) if b in bases]
@@ -106,7 +107,7 @@ def _install_entry_name_resolver() -> None:
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
-    from ragen_pl.tiny import build_tiny_model, build_warm_tiny_model
+    from ragen_pl.models.tiny import build_tiny_model, build_warm_tiny_model
 
     if args.warm:
         print(build_warm_tiny_model(overwrite=args.overwrite))
@@ -130,7 +131,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_demos(args: argparse.Namespace) -> int:
-    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.config import RolloutConfig
     from ragen_pl.sft import demonstrations, write_jsonl
 
     try:
@@ -226,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and (argv[0] in LIGHTNING_COMMANDS or argv[0].startswith("--") and argv[0] != "--help"):
         from ragen_pl.lightning_cli import run_lightning_cli
 
-        _install_entry_name_resolver()
+        install_entry_name_resolver()
         return run_lightning_cli(argv)
     if argv and argv[0] in ("-h", "--help"):
         build_parser().print_help()

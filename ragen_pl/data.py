@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,12 +28,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from ragen_pl.config import RolloutConfig
+from ragen_pl.dist import gather_rows, max_over_processes, process_count
 from ragen_pl.envs.base import Env
 from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
 from ragen_pl.metrics import rollout_metrics
-from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig, RolloutResult
-from ragen_pl.rollout.engine import RolloutEngine, process_count
+from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutResult, context_limit, model_context
+from ragen_pl.rollout.engine import RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
 from ragen_pl.types import TrajectoryBatch, TrajectoryStats
 
@@ -104,19 +106,20 @@ class RolloutDataModule(pl.LightningDataModule):
         for name, value, low in (("n_groups", n_groups, 1), ("group_size", group_size, 1),
                                  ("val_episodes", val_episodes, 1), ("rollout_every_n_steps", rollout_every_n_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`data.{name}` must be an integer >= {low}, got {value!r}")
+                raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
         if val_temperature < 0:
-            raise ValueError(f"`data.val_temperature` must be >= 0, got {val_temperature}")
+            raise ValueError(f"`--data.val_temperature` must be >= 0, got {val_temperature}")
         self.envs = list(env) if isinstance(env, (list, tuple)) else [env]
         if not self.envs:
-            raise ValueError("`data.env` must name at least one env")
+            raise ValueError("`--data.env` must name at least one env")
         for name, envs in (("env", self.envs), ("val_envs", val_envs or [])):
             tags = [e.tag for e in envs]
             if len(set(tags)) != len(tags):
-                raise ValueError(f"`data.{name}` must have distinct tags (set `tag:` on variants), got {tags}")
+                raise ValueError(f"`--data.{name}` must have distinct tags (set `tag:` on variants), got {tags}")
         self.n_groups, self.group_size = n_groups, group_size
         self.engine = engine if engine is not None else HFEngine()
         self._engine_weights: int | None = None  # the module's weights_version the engine last got
+        self._bound = None  # the policy object the engine was last bound to
         self.filter = filter if filter is not None else VarianceTopP()
         self.rollout_config = rollout or RolloutConfig()
         self.val_envs = list(val_envs) if val_envs else list(self.envs)
@@ -143,16 +146,15 @@ class RolloutDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         rank, world = self.world
         if self.n_groups % world:
-            raise ConfigError(f"`data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
+            raise ConfigError(f"`--data.n_groups` ({self.n_groups}) must be divisible by the number of processes "
                              f"({world})")
         module = self.trainer.lightning_module
         advantage = getattr(module, "advantage", None)
         if getattr(advantage, "needs_groups", False) and self.group_size < 2:
-            raise ConfigError(f"`data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
-        bind = getattr(self.engine, "bind", None)
-        if bind is not None:
-            bind(module.policy, module.tokenizer)
-        self.collector = Collector(self.engine, module.tokenizer, self.rollout_config)
+            raise ConfigError(f"`--data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
+        self._bind(module)
+        self.collector = Collector(self.engine, module.tokenizer, self.rollout_config,
+                                   max_seq_len=context_limit(self.rollout_config, model_context(module.policy)))
 
     # ---------------------------------------------------------------------------------------- training
     def next_rollout(self) -> RolloutBatch:
@@ -192,10 +194,9 @@ class RolloutDataModule(pl.LightningDataModule):
         """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode)."""
         assert self.collector is not None, "setup() binds the engine first"
         module = self.trainer.lightning_module if getattr(self, "trainer", None) is not None else None
-        if getattr(self.engine, "shares_policy", False) and module is not None and self.engine.model is not module.policy:
-            # The strategy replaced the policy after `setup` (FSDP1 wraps it in `configure_model`): sample with the
-            # wrapped one, whose forward gathers the shards.
-            self.engine.bind(module.policy, module.tokenizer)
+        if module is not None and self._bound is not module.policy:
+            # The strategy replaced the policy after `setup` (FSDP1 wraps it in `configure_model`).
+            self._bind(module)
         if module is not None:
             self.sync_engine(module)
         self.engine.wake_up()
@@ -204,18 +205,23 @@ class RolloutDataModule(pl.LightningDataModule):
         finally:
             self.engine.sleep()
 
+    def _bind(self, module) -> None:
+        self.engine.bind(module.policy, module.tokenizer)
+        self._bound = module.policy
+
     def sync_engine(self, module) -> None:
-        """Hand the policy's weights to an engine that keeps its own copy, if they changed since it got them.
+        """Hand the policy's weights to an engine that holds its own copy (``holds_weights``), if they changed since
+        it got them.
 
         The module counts its weight changes (``weights_version``: optimiser steps, checkpoint loads); an engine
-        built from the model path has never been given weights, so a resumed run or a validation from a checkpoint
-        syncs before its first rollout. On several processes every rank calls this at the same points (gathering
-        sharded weights is collective).
+        has never been given weights at first, so the first rollout or evaluation (a resumed run, a validation from
+        a checkpoint) syncs before it samples. On several processes every rank calls this at the same points
+        (gathering sharded weights is collective).
         """
-        if not getattr(self.engine, "needs_weight_sync", False):
+        if not self.engine.holds_weights:
             return
-        version = getattr(module, "weights_version", None)
-        if version is not None and version == self._engine_weights:
+        version = module.weights_version
+        if version == self._engine_weights:
             return
         self.engine.load_weights(module.policy_state_dict())
         self._engine_weights = version
@@ -228,32 +234,22 @@ class RolloutDataModule(pl.LightningDataModule):
         if world == 1:
             out = self.filter(stats)
             return out.keep[rows], out.metrics
-        # All-gather the small per-trajectory stats (padded to one size, with a validity flag), filter globally.
-        size = self.n_groups // world * self.group_size
-        packed = torch.zeros(size, 4, dtype=torch.float64)
-        n = len(stats)
-        packed[:n, 0] = stats.scores.double()
-        packed[:n, 1] = stats.group_ids.double()
-        packed[:n, 2] = stats.lengths.double()
-        packed[:n, 3] = 1.0
-        gathered = self.trainer.strategy.all_gather(packed.to(self.trainer.strategy.root_device)).cpu()
-        gathered = gathered.reshape(world, size, 4)
-        flat = gathered.reshape(-1, 4)
-        valid = flat[:, 3] > 0
-        everyone = TrajectoryStats(flat[valid, 0], flat[valid, 1].long(), flat[valid, 2].long())
+        # Gather every rank's small per-trajectory stats (ranks may hold different numbers), filter them together.
+        device = self.trainer.strategy.root_device
+        mine = torch.stack([stats.scores.double(), stats.group_ids.double(), stats.lengths.double()], -1)  # (n, 3)
+        gathered = gather_rows(mine, device)
+        flat = torch.cat(gathered)
+        everyone = TrajectoryStats(flat[:, 0], flat[:, 1].long(), flat[:, 2].long())
         out = self.filter(everyone)
-        mine = torch.zeros(world * size, dtype=torch.bool)
-        mine[rank * size:rank * size + n] = True
-        return out.keep[mine[valid]][rows], out.metrics
+        start = sum(len(g) for g in gathered[:rank])
+        return out.keep[start:start + len(stats)][rows], out.metrics
 
     def _pad_for_ranks(self, batch: TrajectoryBatch, keep: Tensor) -> TrajectoryBatch:
         """Keep the filtered rows, then pad with masked-out rows to the largest kept count over ranks."""
         kept = batch.select(keep)
-        rank, world = self.world
         target = len(kept)
-        if world > 1:
-            t = torch.tensor([target], device=self.trainer.strategy.root_device)
-            target = int(self.trainer.strategy.all_gather(t).max())
+        if self.world[1] > 1:
+            target = max_over_processes(target, self.trainer.strategy.root_device)
         target = max(target, 1)
         if len(kept) == target:
             return kept
@@ -266,11 +262,7 @@ class RolloutDataModule(pl.LightningDataModule):
             filler.traj_ids = -1 - torch.arange(len(filler), dtype=filler.traj_ids.dtype)
         if len(kept) == 0:
             return filler
-        return TrajectoryBatch(**{  # both come from `batch`, so they share its padded length T
-            f.name: (torch.cat([getattr(kept, f.name), getattr(filler, f.name)])
-                     if isinstance(getattr(kept, f.name), Tensor) else None)
-            for f in fields(TrajectoryBatch) if f.name != "env_tags"
-        }, env_tags=kept.env_tags + filler.env_tags)
+        return TrajectoryBatch.cat(kept, filler)  # both come from `batch`, so they share its padded length T
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -313,20 +305,19 @@ class RolloutDataModule(pl.LightningDataModule):
         """The env seed counter and the engine's sampling state: every rank's (each samples its own stream), gathered
         from all ranks. Lightning calls this on every rank when it saves and writes rank 0's copy."""
         state: dict[str, Any] = {"iteration": self.iteration}
-        if hasattr(self.engine, "state_dict"):
-            engine = self.engine.state_dict()
-            by_rank = [engine]
-            if process_count() > 1:
-                by_rank = [None] * process_count()
-                dist.all_gather_object(by_rank, engine)
-            state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
-            state["engine_by_rank"] = by_rank
+        engine = self.engine.state_dict()
+        by_rank = [engine]
+        if process_count() > 1:
+            by_rank = [None] * process_count()
+            dist.all_gather_object(by_rank, engine)
+        state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
+        state["engine_by_rank"] = by_rank
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.iteration = state_dict["iteration"]
-        if "engine" in state_dict and hasattr(self.engine, "load_state_dict"):
+        if "engine" in state_dict:
             rank, world = self.world
             by_rank = state_dict.get("engine_by_rank", [state_dict["engine"]])
             if len(by_rank) == world:

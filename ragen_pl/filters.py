@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ragen_pl.advantages import group_stats
+from ragen_pl.ops import group_stats
 from ragen_pl.types import TrajectoryBatch, TrajectoryStats
 
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -14,9 +15,10 @@ import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from ragen_pl.config import OptimConfig, PPOConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.errors import ConfigError, RolloutError
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
+from ragen_pl.module import RagenModule
 from ragen_pl.registry import PluginLoadError
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.runs import claim_version, lock_run_folder, write_run_info
@@ -70,12 +72,20 @@ def _short_message(message: str, parser) -> str:
         first = flags[0].split("=")[0]
         options = [o for o in parser._option_string_actions if o.startswith("--")]
         return f"unrecognized argument {unknown.group(1)!r}.{did_you_mean(first, options)}"
+    ours = own_reason(message)
+    if ours is not None:  # a config object's own sentence names the full flag already
+        return ours
     lines = [ln.strip(" -") for ln in message.splitlines() if ln.strip(" -")]
     keys = [(i, m.group(1)) for i, ln in enumerate(lines) for m in [re.search(r'Parser key "([^"]+)"', ln)] if m]
     # The flag: nested keys join up (`model.ppo` then `clip_low` -> `--model.ppo.clip_low`).
     flag = ".".join(k for _, k in keys[:1]) if keys else ""
     for _, k in keys[1:]:
         flag = k if k.startswith(flag + ".") else f"{flag}.{k}"
+    nested = re.search(r"NestedArg\(key='([^']+)'", message)
+    fields = _union_fields(message)
+    if nested and fields is not None and nested.group(1) not in fields:  # `--model.ppo.nope=1`
+        flag = f"{flag}.{nested.group(1)}"
+        return f"--{flag}: {REMOVED.get(flag, 'no such setting')}.{did_you_mean(nested.group(1), fields)}"
     # The most specific reason: ours ("'grpoo' not found ... Available: ..."), else the line under the innermost key.
     reason = next((ln for ln in lines if "not found" in ln or "Available" in ln), None)
     if reason is None:
@@ -83,6 +93,37 @@ def _short_message(message: str, parser) -> str:
         reason = re.sub(r'^Parser key "[^"]+":\s*', "", lines[after] if after < len(lines) else lines[-1])
     reason = re.sub(r"<class '([\w.]+)'>", r"\1", reason)
     return f"--{flag}: {reason}" if flag else reason
+
+
+#: Settings earlier versions had, and what replaced them.
+REMOVED = {"model.ppo.temperature": "removed: the update scores log-probs at the temperature the batch was sampled "
+                                    "with, --data.rollout.temperature"}
+
+
+def own_reason(message: str) -> str | None:
+    """The sentence a ragen-pl config object raised (it starts with a backticked full flag), found inside whatever
+    jsonargparse wrapped it in (a Union's "Does not validate against any of the Union subtypes ..." lists each
+    subtype's error, ours among them)."""
+    for line in message.splitlines():
+        line = line.strip(" -")
+        if line.startswith("`--"):
+            return line
+    return None
+
+
+def _union_fields(message: str) -> list[str] | None:
+    """The fields of the dataclass a jsonargparse Union message names first (``PPOConfig | None``), or None."""
+    import dataclasses
+    import importlib
+
+    found = re.search(r"Subtypes: \[<class '([\w.]+)\.(\w+)'>", message)
+    if not found:
+        return None
+    try:
+        cls = getattr(importlib.import_module(found.group(1)), found.group(2))
+    except (ImportError, AttributeError):
+        return None
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else None
 
 
 def check_config_files(argv: list[str]) -> str | None:
@@ -166,7 +207,7 @@ class RagenCLI(LightningCLI):
         except (ConfigError, PluginLoadError):
             raise
         except (ValueError, TypeError, ImportError) as err:
-            raise ConfigError(str(err)) from err
+            raise ConfigError(own_reason(str(err)) or str(err)) from err
 
     def _parse_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` (``last`` too), check the file, and refuse model settings that differ from it.
@@ -239,6 +280,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    previous = _stop_on_sigterm()
     try:
         RagenCLI(
             RagenModule,
@@ -255,7 +297,45 @@ def run_lightning_cli(argv: list[str]) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("stopped by SIGTERM; the last checkpoint is whole (resume with --ckpt_path=last)", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (``timeout``, a cluster's pre-emption): the run stops where it is.
+
+    A ``BaseException``, so no ``except Exception`` in a plugin or library swallows it; Lightning runs its
+    ``on_exception`` hooks and tears down. Checkpoints are written atomically, so the last one stays whole.
+    """
+
+
+def _stop_on_sigterm():
+    """Make SIGTERM stop a run at once; return the handler it replaced (None off the main thread).
+
+    Lightning's own SIGTERM handler only notes the signal and lets the step run on (a long rollout then ignores
+    ``timeout`` and needs SIGKILL). Lightning calls the handler that was there before its own, so this one still
+    runs inside ``fit``: the first SIGTERM raises :class:`Terminated`; a second one (Lightning may have put this
+    handler back while tearing down) ends the process at once with the default action.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    received = []
+
+    def handler(signum, frame):
+        if received:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        received.append(signum)
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _launching_rank() -> bool:
@@ -265,10 +345,14 @@ def _launching_rank() -> bool:
     return (_get_rank() or 0) == 0
 
 
-def _default_advantage() -> str:
-    from ragen_pl.advantages import GAE
+def _class_path_of(path: str):
+    def default() -> str:
+        from ragen_pl.registry import import_target
 
-    return f"{GAE.__module__}.{GAE.__qualname__}"
+        cls = import_target(path)
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    return default
 
 
 def _dataclass_defaults(cls):
@@ -281,7 +365,8 @@ _MODEL_DEFAULTS = {
     "ppo": _dataclass_defaults(PPOConfig),
     "optim": _dataclass_defaults(OptimConfig),
     "reward_norm": _dataclass_defaults(RewardNorm),
-    "advantage": _default_advantage,
+    "advantage": _class_path_of("ragen_pl.advantages:GAE"),
+    "policy_loss": _class_path_of("ragen_pl.losses:PPOClip"),
 }
 
 

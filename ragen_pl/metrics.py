@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ragen_pl.rollout.collector import Episode
-from ragen_pl.rollout.engine import process_count
 
 SUCCESS = "success"
 PASS_AT_K = "pass_at_k"
@@ -122,30 +120,3 @@ def rollout_metrics(episodes: Sequence[Episode], prefix: str = "rollout", by_tag
         for tag, eps in of_tag.items():
             out.update({f"{prefix}/{tag}/{k}": torch.tensor(v) for k, v in episode_metrics(eps).items()})
     return out
-
-
-def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str, float], default_weight: float
-                    ) -> dict[str, float]:
-    """Each metric averaged over the processes that report it, each process weighted by what its value averages
-    over (``weights[key]``, else ``default_weight``): one ``all_gather_object`` per call.
-
-    Processes may report different metrics: one that played only some envs has no per-env metrics of the others.
-    Lightning's ``sync_dist`` reduces key by key and needs the same keys in the same order on every process (else it
-    pairs the wrong values, or hangs). Without torch.distributed (or on one process) the metrics come back as they
-    are, as floats.
-    """
-    mine = {k: float(v) for k, v in metrics.items()}
-    world = process_count()
-    if world == 1:
-        return mine
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (mine, {k: float(weights.get(k, default_weight)) for k in mine}))
-    sums: dict[str, float] = defaultdict(float)
-    total: dict[str, float] = defaultdict(float)
-    for values, weight in gathered:
-        for k, v in values.items():
-            if weight[k] > 0:
-                sums[k] += weight[k] * v
-                total[k] += weight[k]
-    keys = sorted({k for values, _ in gathered for k in values})  # the same order on every rank
-    return {k: sums[k] / total[k] if total[k] > 0 else float("nan") for k in keys}

@@ -1,6 +1,6 @@
 """Entry-point plugin registry.
 
-Every configurable component kind (envs, advantage estimators, filters, rollout engines) has a small abstract base
+Every configurable component kind (envs, advantage estimators, filters, rollout engines, policy losses) has a small abstract base
 class and an entry-point group. Built-ins are registered in ragen-pl's own ``pyproject.toml`` through the same
 groups a third-party distribution uses, so there is exactly one discovery path.
 
@@ -28,6 +28,7 @@ __all__ = [
     "PluginLoadError",
     "available",
     "get",
+    "import_target",
     "load_plugins",
     "resolve",
 ]
@@ -42,6 +43,7 @@ GROUPS: dict[str, str] = {
     "ragen_pl.advantages": "ragen_pl.advantages:Advantage",
     "ragen_pl.filters": "ragen_pl.filters:Filter",
     "ragen_pl.rollout_engines": "ragen_pl.rollout.engine:RolloutEngine",
+    "ragen_pl.policy_losses": "ragen_pl.losses:PolicyLoss",
 }
 
 
@@ -63,7 +65,7 @@ class PluginInfo:
 _cache: dict[str, dict[str, PluginInfo]] | None = None
 
 
-def _import_target(target: str) -> Any:
+def import_target(target: str) -> Any:
     module, _, attr = target.partition(":")
     obj = importlib.import_module(module)
     for part in attr.split("."):
@@ -112,7 +114,7 @@ def load_plugins(*, reload: bool = False) -> dict[str, dict[str, PluginInfo]]:
     skip_third_party = os.environ.get(DISABLE_ENV, "").strip().lower() in {"1", "true", "yes"}
     found: dict[str, dict[str, PluginInfo]] = {}
     for group, base_target in GROUPS.items():
-        base = _import_target(base_target)
+        base = import_target(base_target)
         found[group] = {}
         # Sorted so that duplicate detection and `ragen-pl plugins` are deterministic; ragen-pl's own entries come
         # first, so a third-party duplicate is the one blamed, whatever its name sorts as.
@@ -167,7 +169,7 @@ def resolve(kind: str, spec: str | type, **kwargs: Any) -> Any:
     elif ":" in spec or "." in spec:
         target = spec if ":" in spec else ":".join(spec.rsplit(".", 1))
         try:
-            cls = _import_target(target)
+            cls = import_target(target)
         except (ImportError, AttributeError) as err:
             raise PluginLoadError(f"Cannot import '{spec}' for '{_group_of(kind)}': {err}") from err
     else:

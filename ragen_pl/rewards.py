@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ragen_pl.advantages import group_stats
+from ragen_pl.config import check_choice
+from ragen_pl.ops import group_stats
 from ragen_pl.types import RewardGrouping, RewardMethod
 
 CLIP_RANGE = (-1.0, 3.0)
@@ -33,10 +34,8 @@ def normalize_scores(
     Raises:
         ValueError: an unknown ``grouping`` or ``method``, or inputs of different lengths.
     """
-    if grouping not in ("state", "tag", "batch"):
-        raise ValueError(f"`reward_norm.grouping` must be one of state, tag, batch, got {grouping!r}")
-    if method not in ("identity", "mean_std", "mean_std_clip"):
-        raise ValueError(f"`reward_norm.method` must be one of identity, mean_std, mean_std_clip, got {method!r}")
+    check_choice("--model.reward_norm.grouping", grouping, RewardGrouping)
+    check_choice("--model.reward_norm.method", method, RewardMethod)
     if not (scores.shape == group_ids.shape == (len(env_tags),)):
         raise ValueError(
             f"scores, group_ids and env_tags must all have length B, got {tuple(scores.shape)}, "

@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.base import Env
-from ragen_pl.module import scored_logits
-from ragen_pl.rollout.collector import ChatTokens, RolloutConfig
+from ragen_pl.rollout.chat import ChatTokens
 from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message
+from ragen_pl.scoring import scored_logits
 
 
 def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, seed: int = 0) -> list[dict]:

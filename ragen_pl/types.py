@@ -57,6 +57,9 @@ class TrajectoryBatch:
         traj_ids: (B,) long or None. With a context window each turn is its own row (its prompt holds only the
             last turns); rows of one trajectory share a traj id and follow each other in turn order. None means
             every row is a whole trajectory.
+        rollout_logprobs: (B, T) float or None. The rollout engine's log-prob of each sampled token under the
+            distribution it sampled from (0 elsewhere): the sampler's view of ``old_logprobs``.
+        temperature: the sampling temperature of the rollout; the update scores log-probs at it.
     """
 
     input_ids: Tensor
@@ -72,6 +75,8 @@ class TrajectoryBatch:
     advantages: Tensor | None = None
     returns: Tensor | None = None
     traj_ids: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         B, T = self.input_ids.shape
@@ -84,6 +89,9 @@ class TrajectoryBatch:
                 if len(value) != B:
                     raise ValueError(f"`env_tags` must have {B} entries, got {len(value)}")
                 self.env_tags = tuple(value)
+            elif f.name == "temperature":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                    raise ValueError(f"`temperature` must be a number > 0, got {value!r}")
             elif isinstance(value, Tensor) and value.shape != (B, T):
                 raise ValueError(f"`{f.name}` must have shape ({B}, {T}), got {tuple(value.shape)}")
         if self.loss_mask.dtype != torch.bool or self.attention_mask.dtype != torch.bool:
@@ -175,7 +183,22 @@ class TrajectoryBatch:
             for f in fields(self)
         }
         picked["env_tags"] = tuple(self.env_tags[i] for i in index.tolist())
+        picked["temperature"] = self.temperature
         return TrajectoryBatch(**picked)
+
+    @staticmethod
+    def cat(first: TrajectoryBatch, second: TrajectoryBatch) -> TrajectoryBatch:
+        """The rows of ``first`` then those of ``second`` (same padded length T, same temperature); a field that
+        either lacks is left out."""
+        if first.temperature != second.temperature:
+            raise ValueError(f"cannot join batches sampled at temperatures {first.temperature} and "
+                             f"{second.temperature}")
+        joined = {}
+        for f in fields(TrajectoryBatch):
+            a, b = getattr(first, f.name), getattr(second, f.name)
+            joined[f.name] = torch.cat([a, b]) if isinstance(a, Tensor) and isinstance(b, Tensor) else None
+        return TrajectoryBatch(**{**joined, "env_tags": first.env_tags + second.env_tags,
+                                  "temperature": first.temperature})
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """The untrained tiny Qwen2 model, built once per test session through save_pretrained."""
-    from ragen_pl.tiny import build_tiny_model
+    from ragen_pl.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 

@@ -12,7 +12,7 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.module import _full
+    from ragen_pl.policy import full_tensor
     from ragen_pl.rollout.engine import SamplingParams
     from ragen_pl.rollout.hf import HFEngine
 
@@ -32,8 +32,8 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     fully_shard(model)
     engine = HFEngine(seed=rank)
     engine.bind(model, tok)
-    assert engine.needs_weight_sync
-    engine.load_weights({k: _full(v) for k, v in model.state_dict().items()})
+    assert engine.holds_weights
+    engine.load_weights({k: full_tensor(v) for k, v in model.state_dict().items()})
     gathers = []
     original = dist.all_gather_into_tensor
 
@@ -49,11 +49,11 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     # Under mixed precision the copy turns to the compute dtype (not cast at every step), and new weights keep it.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = engine.generate(prompts, params)
-    engine.load_weights({k: _full(v) for k, v in model.state_dict().items()})
+    engine.load_weights({k: full_tensor(v) for k, v in model.state_dict().items()})
     copy_dtype = str(next(engine._copy.parameters()).dtype)
     sharded = HFEngine(seed=rank, gather_sharded=False)  # the sharded model itself, ranks in lockstep
     sharded.bind(model, tok)
-    assert not sharded.needs_weight_sync
+    assert not sharded.holds_weights
     itself = [g.token_ids for g in sharded.generate(prompts, params)]
     with open(out, "w") as f:
         json.dump({"expected": expected, "copied": copied, "itself": itself, "gathers_while_sampling": len(gathers),

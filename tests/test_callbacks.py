@@ -9,11 +9,11 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from ragen_pl.callbacks import EchoTrapAlarm, TrajectorySamples, ValidateAtStart
+from ragen_pl.config import RolloutConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.filters import NoFilter
 from ragen_pl.module import PPOConfig, RagenModule
-from ragen_pl.rollout.collector import RolloutConfig
 
 TRACES = Path(__file__).parent / "data" / "echo_trap"
 

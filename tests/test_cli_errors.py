@@ -52,3 +52,32 @@ def test_yaml_error_names_file_and_line(capsys, tmp_path):
     bad.write_text("model:\n  model: ragen-pl/tiny\n  ppo: {clip_low: 0.2\ndata: {}\n")
     lines = _error(capsys, ["fit", "--config", str(bad)])
     assert lines[0].startswith(f"error: --config {bad}: invalid YAML at line 4, column 5: "), lines
+
+
+@pytest.mark.parametrize("flag, expected", [
+    # Raised by the config objects, inside jsonargparse's Union wrapping: one line each (issue 21).
+    ("--data.rollout.max_new_tokens=0", "error: `--data.rollout.max_new_tokens` must be an integer >= 1, got 0"),
+    ("--data.rollout.top_k=0", "error: `--data.rollout.top_k` must be -1 (off) or an integer >= 1, got 0"),
+    ("--model.optim.actor_lr=-1", "error: `--model.optim.actor_lr` must be > 0, got -1.0"),
+    ("--model.ppo.kl_estimator=k9", "error: --model.ppo.kl_estimator: Expected a typing.Literal['k1', 'k2', 'k3']. "
+                                    "Got value: k9"),
+    ("--data.rollout.max_seq_len=100000", "error: `--data.rollout.max_seq_len` (100000) must be <= the model's context "
+                                          "(4096 positions)"),
+])
+def test_config_object_errors_are_one_line(capsys, tiny_model_path, flag, expected):
+    with pytest.raises(SystemExit) as info:
+        raise SystemExit(main([*QUICK, f"--model.model={tiny_model_path}", "--trainer.max_steps=0", flag]))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    # (Lightning's logger may also complain here about a stream an earlier test's capture closed.)
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--model.ppo.temperature=0.7", "error: --model.ppo.temperature: removed: the update scores log-probs at the "
+                                    "temperature the batch was sampled with, --data.rollout.temperature."),
+    ("--model.ppo.clip_hig=0.3", "error: --model.ppo.clip_hig: no such setting. Did you mean 'clip_high'?"),
+])
+def test_unknown_settings_of_a_config_object(capsys, flag, expected):
+    lines = _error(capsys, [*QUICK, flag, "--print_config"])
+    assert lines == [expected, "Full usage: ragen-pl fit --help"]

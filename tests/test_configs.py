@@ -106,7 +106,7 @@ def test_bad_value_is_one_line_naming_the_flag(tiny_model_path, capsys):
                  "--model.ppo.clip_low=1.5", *SHRINK])
     err = capsys.readouterr().err
     assert code == 2
-    assert "`model.ppo.clip_low` must be in [0, 1)" in err
+    assert "error: `--model.ppo.clip_low` must be in [0, 1), got 1.5\n" in err
     assert "Traceback" not in err
 
 
@@ -128,7 +128,7 @@ def test_unloadable_model_is_one_line_naming_the_field(tmp_path, capsys):
     code = main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), f"--model.model={tmp_path / 'nothing'}",
                  *SHRINK])
     err = capsys.readouterr().err
-    assert code == 2 and "`model.model`: cannot load" in err and "Traceback" not in err
+    assert code == 2 and "`--model.model`: cannot load" in err and "Traceback" not in err
 
 
 def test_unknown_component_name_lists_the_available_ones(capsys):

@@ -26,41 +26,35 @@ def _rank_batch(scores, first_group, group_size):
                       group_ids=[first_group + i // group_size for i in range(n)])
 
 
-class FakeStrategy:
-    """all_gather over simulated ranks: returns what every rank packed, stacked."""
-
-    root_device = torch.device("cpu")
-
-    def __init__(self, parts):
-        self.parts = parts
-
-    def all_gather(self, t):
-        return torch.stack(self.parts)
-
-
 def test_filter_ranks_all_groups_across_ranks(monkeypatch):
-    """Two simulated ranks: the kept trajectories equal a single-process filter over the union."""
+    """Two simulated ranks: the kept trajectories equal a single-process filter over the union. Rank 0 holds both
+    top groups, so a filter that ranked each rank's groups on its own (keeping 1 of 4 on each) would differ."""
+    import ragen_pl.data as data_py
+
     group_size = 2
-    per_rank = [[0, 0, 0, 1, 5, 5, 0, 4], [1, 1, 0, 3, 2, 2, 0, 9]]  # 4 groups per rank
+    per_rank = [[0, 4, 5, 0, 0, 1, 9, 0], [1, 1, 0, 1, 2, 2, 0, 0]]  # 4 groups per rank
     batches = [_rank_batch(s, 4 * r, group_size) for r, s in enumerate(per_rank)]
-    packed = []
-    for b in batches:  # what each rank contributes to the all-gather (see RolloutDataModule._filter)
-        stats = b.stats()
-        packed.append(torch.stack([stats.scores.double(), stats.group_ids.double(), stats.lengths.double(),
-                                   torch.ones(len(b), dtype=torch.float64)], dim=1))
+    gathered = []
+    for b in batches:  # what each rank contributes to the gather (see RolloutDataModule._filter)
+        st = b.stats()
+        gathered.append(torch.stack([st.scores.double(), st.group_ids.double(), st.lengths.double()], dim=1))
+    monkeypatch.setattr(data_py, "gather_rows", lambda mine, device: gathered)
     monkeypatch.setattr(RolloutDataModule, "world", property(lambda self: (self.trainer.global_rank, 2)))
     keeps = []
     for rank in range(2):
         dm = RolloutDataModule(Bandit(), n_groups=8, group_size=group_size, filter=VarianceTopP(top_p=0.25))
-        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, strategy=FakeStrategy(packed))
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=2,
+                                     strategy=SimpleNamespace(root_device=torch.device("cpu")))
         keep, metrics = dm._filter(batches[rank])
         keeps.append(keep)
     union = _rank_batch(per_rank[0] + per_rank[1], 0, group_size)
-    expected = VarianceTopP(top_p=0.25)(union).keep  # 2 of 8 groups: std 2.83 (rank 0) and 6.36 (rank 1)
+    expected = VarianceTopP(top_p=0.25)(union).keep  # 2 of 8 groups: std 6.36 and 3.54, both on rank 0
     assert torch.equal(torch.cat(keeps), expected)
-    assert keeps[0].tolist() == [False] * 6 + [True] * 2
-    assert keeps[1].tolist() == [False] * 6 + [True] * 2
+    assert keeps[0].tolist() == [False, False, True, True, False, False, True, True]
+    assert keeps[1].tolist() == [False] * 8
     assert float(metrics["filter/kept_frac"]) == 0.25
+    per_rank_filter = VarianceTopP(top_p=0.25)(batches[1]).keep  # what ranking rank 1 alone would keep
+    assert per_rank_filter.any()
 
 
 SMALL = [
@@ -176,15 +170,12 @@ def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
     batch = _rank_batch([0, 1, 2, 3], 0, 2)
     keep = torch.tensor([True, True, False, False])
 
-    class Strategy:
-        root_device = torch.device("cpu")
+    import ragen_pl.data as data_py
 
-        def all_gather(self, t):
-            return torch.stack([t, torch.tensor([4])])  # the other rank kept 4
-
+    monkeypatch.setattr(data_py, "max_over_processes", lambda n, device: max(n, 4))  # the other rank kept 4
     monkeypatch.setattr(RolloutDataModule, "world", property(lambda self: (0, 2)))
     dm = RolloutDataModule(Bandit(), n_groups=4, group_size=2)
-    dm.trainer = SimpleNamespace(global_rank=0, world_size=2, strategy=Strategy())
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=2, strategy=SimpleNamespace(root_device="cpu"))
     padded = dm._pad_for_ranks(batch, keep)
     assert len(padded) == 4
     assert padded.loss_mask[2:].sum() == 0 and padded.rewards[2:].abs().sum() == 0

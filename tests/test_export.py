@@ -12,11 +12,11 @@ import torch
 
 from ragen_pl.checkpoint import RunCheckpoint
 from ragen_pl.cli import main
+from ragen_pl.config import RolloutConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.filters import NoFilter
 from ragen_pl.module import LoraSettings, OptimConfig, PPOConfig, RagenModule
-from ragen_pl.rollout.collector import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,8 @@ class LockedEnv(Bandit):
 
 
 def _collect(env):
-    from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
     from ragen_pl.rollout.engine import Generation, RolloutEngine
 
     class Fixed(RolloutEngine):
@@ -195,7 +197,7 @@ def _collect(env):
 
     from transformers import AutoTokenizer
 
-    from ragen_pl.tiny import build_tiny_model
+    from ragen_pl.models.tiny import build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(build_tiny_model())
     return Collector(Fixed(), tok, RolloutConfig(max_turns=1)).collect([EpisodeSpec(env, seed=i, group_id=i)
@@ -273,8 +275,62 @@ def test_report_skips_a_truncated_last_sample_line_and_names_a_bad_one(tmp_path,
 
 
 def test_explained_variance_of_nearly_constant_returns_is_nan():
-    from ragen_pl.module import explained_variance
+    from ragen_pl.update import explained_variance
 
     returns = torch.tensor([[1.0, 1.0 + 1e-7, 1.0 - 1e-7]])
     values = torch.zeros_like(returns)
     assert torch.isnan(explained_variance(values, returns, torch.ones_like(returns, dtype=torch.bool)))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_long_rollout_promptly_and_leaves_the_checkpoint_whole(tiny_model_path, tmp_path):
+    """Lightning's handler only notes SIGTERM and lets the step finish; a rollout stuck for a minute then needed
+    SIGKILL (issue 21). Now the run stops within seconds, with exit code 143, and the last checkpoint verifies."""
+    import signal
+    import subprocess
+    import sys
+
+    from ragen_pl.checkpoint import verify
+
+    config = tmp_path / "slow.yaml"
+    config.write_text(f"""
+trainer:
+  max_steps: 5
+  accelerator: cpu
+  logger: false
+  enable_progress_bar: false
+  limit_val_batches: 0
+  default_root_dir: {tmp_path}
+  callbacks:
+    - class_path: ragen_pl.checkpoint.RunCheckpoint
+      init_args: {{every_n_train_steps: 1, dirpath: {tmp_path / 'ckpt'}}}
+model:
+  model: {tiny_model_path}
+  advantage: {{class_path: ragen_pl.advantages.GRPO}}
+  ppo: {{mini_batch_size: 4, micro_batch_size: 4}}
+data:
+  env: {{class_path: tests.slow_env.SlowBandit}}
+  n_groups: 2
+  group_size: 2
+  filter: {{class_path: ragen_pl.filters.NoFilter}}
+  rollout: {{max_turns: 1, max_new_tokens: 4, step_timeout_s: 120}}
+""")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(config), "--torch_threads=1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "ckpt").glob("*.ckpt")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    saved = list((tmp_path / "ckpt").glob("*.ckpt"))
+    if not saved:
+        proc.kill()
+        pytest.fail(f"no checkpoint after the first iteration: {proc.communicate()[1][-2000:]}")
+    time.sleep(1.0)  # the second rollout is now sleeping in an env reset
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 15, "SIGTERM did not stop the run promptly"
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in err
+    for path in (tmp_path / "ckpt").glob("*.ckpt"):
+        verify(path)  # whole: its digest matches

@@ -6,14 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from ragen_pl.losses import (
-    aggregate,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    policy_loss,
-    value_loss,
-)
+from ragen_pl.config import PPOConfig
+from ragen_pl.losses import aggregate, kl_penalty, policy_loss, value_loss
+from ragen_pl.scoring import entropy_from_logits, logprobs_from_logits
 
 
 def _t(x):
@@ -64,7 +59,7 @@ def test_aggregation_modes_hand_derived():
     assert_close(aggregate(loss, mask, "token-mean"), torch.tensor(10 / 4))
     assert_close(aggregate(loss, mask, "seq-mean-token-sum"), torch.tensor((6 + 4) / 2))  # empty row left out
     assert_close(aggregate(loss, mask, "seq-mean-token-mean"), torch.tensor((2 + 4) / 2))
-    with pytest.raises(ValueError, match=r"`loss_agg_mode` must be one of token-mean"):
+    with pytest.raises(ValueError, match=r"`loss_agg` must be one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got 'mean'"):
         aggregate(loss, mask, "mean")  # type: ignore[arg-type]
 
 
@@ -140,13 +135,13 @@ def test_value_loss_hand_derived():
     # V_old = 0, V = 1, R = 2: unclipped 1, clipped (0.5 - 2)^2 = 2.25 bigger -> clipped
     _, m = value_loss(_t([[1.0]]), torch.zeros(1, 1), _t([[2.0]]), torch.ones(1, 1, dtype=torch.bool))
     assert_close(m["loss/vf_clipfrac"], torch.tensor(1.0))
-    with pytest.raises(ValueError, match=r"`value_clip` must be > 0"):
-        value_loss(_t([[1.0]]), _t([[1.0]]), _t([[1.0]]), torch.ones(1, 1, dtype=torch.bool), clip=0)
 
 
-def test_policy_loss_bad_args():
-    x, m = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"`clip_low` must be in \[0, 1\)"):
-        policy_loss(x, x, x, m, clip_low=1.5)
-    with pytest.raises(ValueError, match=r"`dual_clip` must be > 1"):
-        policy_loss(x, x, x, m, dual_clip=0.5)
+def test_loss_settings_are_checked_once_in_the_config():
+    """The pure functions trust their arguments; the config refuses bad ones, naming the flag."""
+    with pytest.raises(ValueError, match=r"`--model.ppo.clip_low` must be in \[0, 1\), got 1.5"):
+        PPOConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match=r"`--model.ppo.dual_clip` must be > 1, got 0.5"):
+        PPOConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match=r"`--model.ppo.value_clip` must be > 0, got 0"):
+        PPOConfig(value_clip=0)

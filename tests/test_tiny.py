@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ragen_pl.envs.frozen_lake import FrozenLake
 from ragen_pl.envs.sokoban import Sokoban
+from ragen_pl.models.tiny import TAG_TOKENS, build_tokenizer, warm_start_rollout
 from ragen_pl.sft import demonstrations, encode, read_jsonl, sft, write_jsonl
-from ragen_pl.tiny import TAG_TOKENS, build_tokenizer, warm_start_rollout
 
 TEXTS = [
     "<|im_start|>user\nTurn 1:\nState:\n######\n#_√P_#\n#OX__#\n######\nYou have 5 actions left.<|im_end|>\n",

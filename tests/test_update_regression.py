@@ -12,17 +12,15 @@ import json
 import os
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from ragen_pl.advantages import GAE, GRPO, RLOO, BiLevelGAE, ReinforcePP
-from ragen_pl.data import RolloutDataModule
-from ragen_pl.envs.bandit import Bandit
-from ragen_pl.filters import NoFilter
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
+from ragen_pl.config import OptimConfig, PPOConfig
+from ragen_pl.module import RagenModule
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.types import TrajectoryBatch
+from ragen_pl.update import entropy_metrics
 
 DATA = Path(__file__).parent / "data" / "update_regression"
 
@@ -69,18 +67,18 @@ def recorded_batch(vocab: int, B: int = 8, T: int = 40, seed: int = 0) -> Trajec
 
 
 def run_case(model_path, case: dict) -> dict:
+    """Prepare and update once, with the module's models and optimisers but no Trainer (the update needs none)."""
     case = dict(case)
-    temperature = case.pop("temperature", 1.0)
-    ppo = PPOConfig(**case.pop("ppo"), temperature=temperature)
-    module = RagenModule(str(model_path), ppo=ppo, optim=OptimConfig(actor_lr=1e-3, critic_lr=1e-3), seed=3, **case)
-    dm = RolloutDataModule(Bandit(), n_groups=4, group_size=2, filter=NoFilter())
-    pl.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, dm)
+    temperature = case.pop("temperature", 1.0)  # recorded with the old `model.ppo.temperature`; now the batch's
+    module = RagenModule(str(model_path), ppo=PPOConfig(**case.pop("ppo")),
+                         optim=OptimConfig(actor_lr=1e-3, critic_lr=1e-3), seed=3, **case)
+    optimizers, _ = module.configure_optimizers()
     torch.manual_seed(0)
     batch = recorded_batch(module.policy.config.vocab_size)
-    metrics = dict(module.prepare(batch))
-    metrics.update(module.update(batch))
-    metrics.update(module.entropy_metrics(batch))
+    batch.temperature = temperature
+    metrics = dict(module.updater.prepare(batch, module.models))
+    metrics.update(module.updater.step(batch, module.models, optimizers))
+    metrics.update(entropy_metrics(batch))
     grads = {n: float(p.grad.norm()) for n, p in module.named_parameters() if p.grad is not None}
     return {"metrics": {k: float(v) for k, v in sorted(metrics.items())},
             "grad_norms": dict(sorted(grads.items())),

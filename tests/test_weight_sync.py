@@ -4,14 +4,15 @@ the first rollout of a resumed run or a validation from a checkpoint, whose weig
 import copy
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from ragen_pl.callbacks import WeightSync
+from ragen_pl.config import OptimConfig, PPOConfig, RolloutConfig
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.filters import NoFilter
-from ragen_pl.module import OptimConfig, PPOConfig, RagenModule
-from ragen_pl.rollout.collector import RolloutConfig
+from ragen_pl.module import RagenModule
 from ragen_pl.rollout.engine import RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
 
@@ -20,7 +21,7 @@ class CopyEngine(RolloutEngine):
     """Samples with its own copy of the policy, built at bind (as vLLM loads the model path) and refreshed only
     through ``load_weights``. Before every generate it records how far its copy is from the module's policy."""
 
-    needs_weight_sync = True
+    holds_weights = True
 
     def __init__(self, module: RagenModule) -> None:
         self.module, self.gaps, self.loads = module, [], 0
@@ -81,3 +82,51 @@ def test_a_resumed_run_and_a_validation_sample_the_checkpoint(tiny_model_path, t
     checked, dm3, engine = make(tiny_model_path)
     trainer(1, tmp_path / "validate").validate(checked, dm3, ckpt_path=str(ckpt))
     assert engine.loads >= 1 and engine.gaps and max(engine.gaps) == 0.0
+
+
+@pytest.mark.slow
+def test_a_third_party_engine_with_its_own_weights_samples_every_update(tiny_model_path, tmp_path, monkeypatch):
+    """The example plugin's CopyEngine, pip-installed and found by its entry name, is written against the base class
+    and the README only (``holds_weights = True``, ``load_weights``): every rollout samples the current policy, and a
+    run resumed from a checkpoint samples the checkpoint's weights."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ragen_pl import registry
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(target), str(Path(__file__).resolve().parents[1] / "plugins" / "ragen-pl-example")],
+                   check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(target))
+    try:
+        engine_cls = registry.load_plugins(reload=True)["ragen_pl.rollout_engines"]["copy_engine"].cls
+    finally:
+        registry._cache = None
+
+    def run(steps, root, ckpt=None):
+        module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4),
+                             optim=OptimConfig(actor_lr=1e-2, critic_lr=1e-2))
+        engine = engine_cls(seed=0)
+        gaps = []
+        original = engine.generate
+
+        def checked(prompts, params):  # how far the engine's copy is from the policy, at every call
+            policy = dict(module.policy.named_parameters())
+            with torch.no_grad():
+                gaps.append(max(float((p - policy[n]).abs().max()) for n, p in engine.copy.named_parameters()))
+            return original(prompts, params)
+
+        engine.generate = checked
+        dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), engine=engine,
+                               rollout=RolloutConfig(max_turns=1, max_new_tokens=4, think=False), val_episodes=2)
+        t = trainer(steps, root, limit_val_batches=0)
+        t.fit(module, dm, ckpt_path=ckpt)
+        return t, module, gaps
+
+    t, module, gaps = run(3, tmp_path / "a")
+    assert len(gaps) == 3 and max(gaps) == 0.0  # three rollouts, each with the weights of the updates before it
+    ckpt = str(next((tmp_path / "a").rglob("*.ckpt")))
+    _, _, gaps = run(4, tmp_path / "b", ckpt=ckpt)
+    assert len(gaps) == 1 and max(gaps) == 0.0  # the resumed run's first rollout: the checkpoint's weights

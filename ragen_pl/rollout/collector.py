@@ -1,12 +1,15 @@
 """The multi-turn rollout loop: many envs played in parallel by the current policy, turned into a TrajectoryBatch.
 
-Exact token accounting: a trajectory's token sequence is built from the very ids that were fed and sampled. The
-first prompt and every env message are tokenised once and appended; the engine's sampled ids are appended as they
-are, never decoded and re-tokenised (re-tokenising can merge or split tokens differently, so the update would
-score tokens the policy never sampled). ``loss_mask`` is true exactly on sampled ids.
+Exact token accounting (:mod:`ragen_pl.rollout.chat`): the batch holds the very ids that were fed and sampled,
+``loss_mask`` is true exactly on sampled ids, and ``rollout_logprobs`` holds the engine's log-prob of each.
 
 Each turn is one engine call over all live envs; finished envs leave the batch. An env that raises, or whose step
 runs past ``step_timeout_s``, marks its trajectory failed: it is left out of the batch and counted.
+
+Context: no prompt reaches the engine unless it leaves ``max_new_tokens`` under the context limit (the model's
+context, or ``--data.rollout.max_seq_len``). A first prompt that does not fit is a setup error naming the env and the
+lengths; a later turn that would not fit is not played: its trajectory ends, truncated (counted in the
+``truncated`` metric, and warned once per env).
 """
 
 from __future__ import annotations
@@ -17,86 +20,28 @@ import numbers
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.base import Env
 from ragen_pl.errors import ConfigError
+from ragen_pl.rollout.chat import ChatTokens, WindowChat
 from ragen_pl.rollout.engine import RolloutEngine, SamplingParams
-from ragen_pl.rollout.prompt import (
-    SYSTEM_PROMPT,
-    first_user_message,
-    format_instruction,
-    next_user_message,
-    parse_answer,
-)
+from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message, parse_answer
 from ragen_pl.types import TrajectoryBatch
 
-_SENTINEL = "\x00RAGEN_PL_SENTINEL\x00"
 
-
-@dataclass
-class RolloutConfig:
-    """How trajectories are played. Defaults are the paper's."""
-
-    max_turns: int = 5
-    """Turns per trajectory."""
-    max_actions_per_turn: int = 5
-    """Actions executed from one answer; extra actions are ignored."""
-    max_actions_per_episode: int = 10
-    """Actions per trajectory across all turns."""
-    count_invalid_actions: bool = False
-    """Whether invalid actions use up ``max_actions_per_episode``. RAGEN drops them before counting (false);
-    they still get the format penalty either way."""
-    think: bool = True
-    """Ask for ``<think>...</think><answer>...</answer>``; false asks for ``<answer>`` only."""
-    format_penalty: float = -0.1
-    """Added to a turn's reward when its answer does not parse or names an invalid action."""
-    max_new_tokens: int = 400
-    """Response tokens per turn."""
-    temperature: float = 1.0
-    """Sampling temperature in training."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = -1
-    """Top-k sampling; -1 turns it off."""
-    reward_placement: Literal["turn", "last_turn"] = "turn"
-    """Put each turn's reward on that turn's last sampled token, or the whole return on the last turn's."""
-    context_window: int | None = None
-    """Keep only the last K turns in the prompt (the instructions always stay); each turn then trains as its own
-    row. None keeps the whole conversation in one sequence."""
-    max_seq_len: int = 4096
-    """A trajectory whose tokens would pass this length ends (truncated) before the next turn."""
-    step_timeout_s: float = 5.0
-    """An env step or reset that runs longer fails its trajectory (enforced in the main thread on Unix)."""
-    system_prompt: str = SYSTEM_PROMPT
-    """The system message of every trajectory."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_actions_per_turn", "max_actions_per_episode", "max_new_tokens", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`rollout.{name}` must be an integer >= 1, got {value!r}")
-        if self.reward_placement not in ("turn", "last_turn"):
-            raise ValueError(f"`rollout.reward_placement` must be 'turn' or 'last_turn', got {self.reward_placement!r}")
-        if self.context_window is not None and (isinstance(self.context_window, bool) or self.context_window < 1):
-            raise ValueError(f"`rollout.context_window` must be an integer >= 1 or null, got {self.context_window!r}")
-        if self.step_timeout_s <= 0:
-            raise ValueError(f"`rollout.step_timeout_s` must be > 0, got {self.step_timeout_s}")
-        self.sampling_params()  # validates temperature, top_p, top_k
-
-    def sampling_params(self, temperature: float | None = None) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature if temperature is None else temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            stop=["</answer>"],
-        )
+def sampling_params(config: RolloutConfig, temperature: float | None = None) -> SamplingParams:
+    """The engine's sampling settings of ``config`` (``temperature`` overrides it, as evaluation does)."""
+    return SamplingParams(temperature=config.temperature if temperature is None else temperature,
+                          top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
+                          stop=["</answer>"])
 
 
 @dataclass
@@ -131,128 +76,6 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-class ChatTokens:
-    """Token ids of one conversation, built incrementally with exact sampled ids.
-
-    ``ids`` is what the engine is fed next; ``sampled`` marks ids the policy produced; ``turn_ids`` gives the turn of
-    each sampled id (-1 elsewhere).
-    """
-
-    def __init__(self, tokenizer, system: str, first_user: str, think: bool) -> None:
-        self.tokenizer = tokenizer
-        self.messages = [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
-        self.open_tag = "<think>" if think else "<answer>"
-        text = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
-        self.ids: list[int] = self._encode(text + self.open_tag)
-        self.sampled: list[bool] = [False] * len(self.ids)
-        self.turn_ids: list[int] = [-1] * len(self.ids)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def add_response(self, ids: Sequence[int], turn: int) -> None:
-        self.ids.extend(ids)
-        self.sampled.extend([True] * len(ids))
-        self.turn_ids.extend([turn] * len(ids))
-        self.messages.append({"role": "assistant", "content": _SENTINEL})
-
-    def user_suffix_ids(self, text: str, ended_with_eos: bool) -> list[int]:
-        """Ids that close the assistant turn, add a user message and open the next answer."""
-        rendered = self.tokenizer.apply_chat_template(
-            [*self.messages, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        suffix = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL):]
-        eos_text = self.tokenizer.eos_token or ""
-        if ended_with_eos and eos_text and suffix.startswith(eos_text):
-            suffix = suffix[len(eos_text):]  # the model already sampled the end-of-turn token
-        return self._encode(suffix + self.open_tag)
-
-    def add_user(self, suffix_ids: Sequence[int], text: str) -> None:
-        self.ids.extend(suffix_ids)
-        self.sampled.extend([False] * len(suffix_ids))
-        self.turn_ids.extend([-1] * len(suffix_ids))
-        self.messages[-1] = {"role": "assistant", "content": "..."}  # content no longer matters, only the layout
-        self.messages.append({"role": "user", "content": text})
-
-    # The collector's view of a conversation (shared with WindowChat).
-    def prompt_ids(self) -> list[int]:
-        """What the engine is fed next."""
-        return self.ids
-
-    def extend_user(self, text: str, ended_with_eos: bool, max_prompt: int) -> bool:
-        """Add the next user message, unless the next prompt would pass ``max_prompt`` tokens (then False)."""
-        suffix = self.user_suffix_ids(text, ended_with_eos)
-        if len(self.ids) + len(suffix) > max_prompt:
-            return False
-        self.add_user(suffix, text)
-        return True
-
-    def last_sampled(self) -> tuple[int, int]:
-        """(row, position) of the newest sampled token: where a turn's reward goes."""
-        return 0, len(self.ids) - 1
-
-    def rows(self) -> list[tuple[list[int], list[bool], list[int]]]:
-        """The training rows: (ids, sampled mask, turn ids). One row: the whole conversation."""
-        return [(self.ids, self.sampled, self.turn_ids)]
-
-
-class WindowChat:
-    """A conversation whose prompt keeps only the last ``window`` turns (the instructions always stay).
-
-    Each turn's prompt is rendered afresh, so a trajectory is no longer one token sequence: every turn becomes its
-    own training row, made of exactly the prompt ids fed for that turn and the ids sampled after them.
-    """
-
-    def __init__(self, tokenizer, system: str, first_user: str, think: bool, instructions: str, window: int) -> None:
-        self.tokenizer, self.system, self.instructions, self.window = tokenizer, system, instructions, window
-        self.open_tag = "<think>" if think else "<answer>"
-        self.history: list[tuple[int, str, str]] = []  # (turn, user text, assistant text), completed turns
-        self.user = (0, first_user)
-        self._rows: list[tuple[list[int], list[bool], list[int]]] = []
-        self._prompt: list[int] | None = None
-        self._pending: tuple[int, str, str] | None = None  # the turn just answered, until the next user message
-
-    def _render(self, history: list[tuple[int, str, str]], user: tuple[int, str]) -> list[int]:
-        kept = history[len(history) - (self.window - 1):] if self.window > 1 else []
-        messages = [{"role": "system", "content": self.system}]
-        for i, (turn, text, answer) in enumerate([*kept, (*user, None)]):
-            if i == 0 and turn > 0:  # the first kept message carries the rules, as turn 1's does
-                text = f"{self.instructions}\n\n{text}"
-            messages.append({"role": "user", "content": text})
-            if answer is not None:
-                messages.append({"role": "assistant", "content": answer})
-        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(rendered + self.open_tag, add_special_tokens=False)["input_ids"]
-
-    def prompt_ids(self) -> list[int]:
-        if self._prompt is None:
-            self._prompt = self._render(self.history, self.user)
-        return self._prompt
-
-    def add_response(self, ids: Sequence[int], turn: int) -> None:
-        prompt = self.prompt_ids()
-        self._rows.append((prompt + list(ids), [False] * len(prompt) + [True] * len(ids),
-                           [-1] * len(prompt) + [turn] * len(ids)))
-        answer = self.open_tag + self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        self._pending = (self.user[0], self.user[1], answer)
-
-    def extend_user(self, text: str, ended_with_eos: bool, max_prompt: int) -> bool:
-        assert self._pending is not None, "add_response comes before extend_user"
-        history = [*self.history, self._pending]
-        user = (self._pending[0] + 1, text)
-        prompt = self._render(history, user)
-        if len(prompt) > max_prompt:
-            return False
-        self.history, self.user, self._prompt = history, user, prompt
-        return True
-
-    def last_sampled(self) -> tuple[int, int]:
-        return len(self._rows) - 1, len(self._rows[-1][0]) - 1
-
-    def rows(self) -> list[tuple[list[int], list[bool], list[int]]]:
-        return self._rows
-
-
 @dataclass
 class Episode:
     spec: EpisodeSpec
@@ -284,13 +107,51 @@ class RolloutResult:
     """Seconds spent in generation, env steps and tokenisation."""
 
 
-class Collector:
-    """Plays episodes with an engine and assembles the update batch."""
+def model_context(model) -> int | None:
+    """The positions a transformers model was built for (``config.max_position_embeddings``), if it says."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
 
-    def __init__(self, engine: RolloutEngine, tokenizer, config: RolloutConfig | None = None) -> None:
+
+def context_limit(config: RolloutConfig, model_context: int | None) -> int:
+    """The tokens a prompt and its answer may fill: ``--data.rollout.max_seq_len``, else the model's context.
+
+    Raises:
+        ConfigError: ``max_seq_len`` past the model's context, or neither is known.
+    """
+    if config.max_seq_len is not None:
+        if model_context is not None and config.max_seq_len > model_context:
+            raise ConfigError(f"`--data.rollout.max_seq_len` ({config.max_seq_len}) must be <= the model's context "
+                              f"({model_context} positions)")
+        return config.max_seq_len
+    if model_context is None:
+        raise ConfigError("the model's context length is unknown: set `--data.rollout.max_seq_len`")
+    if model_context <= config.max_new_tokens:
+        raise ConfigError(f"`--data.rollout.max_new_tokens` ({config.max_new_tokens}) must be smaller than the "
+                          f"model's context ({model_context} positions)")
+    return model_context
+
+
+class Collector:
+    """Plays episodes with an engine and assembles the update batch.
+
+    ``max_seq_len`` is the context limit (:func:`context_limit`); without it, ``--data.rollout.max_seq_len``, else
+    the context of the engine's bound model, else the tokenizer's ``model_max_length``.
+    """
+
+    def __init__(self, engine: RolloutEngine, tokenizer, config: RolloutConfig | None = None,
+                 max_seq_len: int | None = None) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config or RolloutConfig()
         eos = tokenizer.eos_token_id
         self._eos = {eos} if eos is not None else set()
+        if max_seq_len is None:
+            known = model_context(engine.model)
+            if known is None:
+                known = getattr(tokenizer, "model_max_length", None)
+                known = known if isinstance(known, int) and known < 10**8 else None
+            max_seq_len = context_limit(self.config, known)
+        self.max_seq_len = max_seq_len
+        self._warned: set[str] = set()
 
     def _format(self) -> str:
         c = self.config
@@ -317,12 +178,18 @@ class Collector:
             else:
                 ep.chat = WindowChat(self.tokenizer, c.system_prompt, first, c.think, ep.env.instructions,
                                      c.context_window)
+            length = len(ep.chat.prompt_ids())
+            if length + c.max_new_tokens > self.max_seq_len:
+                raise ConfigError(
+                    f"env {ep.env.tag!r} (seed {spec.seed}): its first prompt is {length} tokens, which with "
+                    f"`--data.rollout.max_new_tokens` ({c.max_new_tokens}) passes the context limit of "
+                    f"{self.max_seq_len} tokens (the model's context or `--data.rollout.max_seq_len`)")
             ep.transcript.append({"role": "env", "observation": obs})
             timings["env"] += t1 - t0
             timings["tokenize"] += time.perf_counter() - t1
             episodes.append(ep)
 
-        params = c.sampling_params(temperature)
+        params = sampling_params(c, temperature)
         try:
             for turn in range(c.max_turns):
                 live = [ep for ep in episodes if not ep.done]
@@ -342,6 +209,8 @@ class Collector:
         t0 = time.perf_counter()
         batch = self._assemble([ep for ep in episodes if ep.failed is None])
         timings["tokenize"] += time.perf_counter() - t0
+        if batch is not None:  # greedy (0) reports and scores the untempered distribution
+            batch.temperature = params.temperature if params.temperature > 0 else 1.0
         return RolloutResult(batch, episodes, timings)
 
     def _play_turn(self, ep: Episode, gen, turn: int, timings: dict[str, float]) -> None:
@@ -349,7 +218,7 @@ class Collector:
         chat = ep.chat
         assert chat is not None
         t0 = time.perf_counter()
-        chat.add_response(gen.token_ids, turn)
+        chat.add_response(gen.token_ids, turn, gen.logprobs)
         ep.response_tokens += len(gen.token_ids)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         parsed = parse_answer(text, think=c.think, max_actions=c.max_actions_per_turn)
@@ -403,8 +272,14 @@ class Collector:
         t0 = time.perf_counter()
         message = next_user_message(turn + 2, turn_reward, obs, c.max_actions_per_episode - ep.actions, self._format())
         ended_eos = bool(gen.token_ids) and gen.token_ids[-1] in self._eos
-        if not chat.extend_user(message, ended_eos, max_prompt=c.max_seq_len - c.max_new_tokens):
+        if not chat.extend_user(message, ended_eos, max_prompt=self.max_seq_len - c.max_new_tokens):
             ep.done, ep.truncated = True, True
+            if ep.env.tag not in self._warned:
+                self._warned.add(ep.env.tag)
+                warnings.warn(f"env {ep.env.tag!r}: a trajectory ended truncated before turn {turn + 2}, whose prompt "
+                              f"would leave less than `--data.rollout.max_new_tokens` ({c.max_new_tokens}) under "
+                              f"the context limit ({self.max_seq_len} tokens); counted in rollout/truncated "
+                              f"(warned once per env)", stacklevel=2)
         timings["tokenize"] += time.perf_counter() - t0
 
     def _assemble(self, episodes: list[Episode]) -> TrajectoryBatch | None:
@@ -420,12 +295,14 @@ class Collector:
         loss_mask = torch.zeros((B, T), dtype=torch.bool)
         turn_ids = torch.full((B, T), -1, dtype=torch.long)
         rewards = torch.zeros((B, T), dtype=torch.float32)
-        for b, (e, r, (ids, sampled, turns)) in enumerate(rows):
+        logprobs = torch.zeros((B, T), dtype=torch.float32)
+        for b, (e, r, (ids, sampled, turns, lps)) in enumerate(rows):
             n = len(ids)
             input_ids[b, :n] = torch.tensor(ids)
             attention[b, :n] = True
             loss_mask[b, :n] = torch.tensor(sampled)
             turn_ids[b, :n] = torch.tensor(turns)
+            logprobs[b, :n] = torch.tensor(lps, dtype=torch.float32)
             ep = episodes[e]
             if c.reward_placement == "turn":
                 for (row, pos), reward in ep.rewards.items():
@@ -443,6 +320,7 @@ class Collector:
             group_ids=torch.tensor([episodes[e].spec.group_id for e, _, _ in rows], dtype=torch.long),
             env_tags=tuple(episodes[e].env.tag for e, _, _ in rows),
             traj_ids=torch.tensor([e for e, _, _ in rows], dtype=torch.long) if windowed else None,
+            rollout_logprobs=logprobs,
         )
 
 

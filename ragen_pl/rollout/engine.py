@@ -1,10 +1,24 @@
-"""The rollout-engine interface (entry-point group ``ragen_pl.rollout_engines``).
+"""The rollout-engine contract (entry-point group ``ragen_pl.rollout_engines``).
 
 An engine samples continuations for a batch of token-id prompts and reports, for every sampled token, its id and
-its log-probability under the sampling distribution. It knows nothing of envs or chats: the collector builds the
-prompts and reads the answers. Engines that keep their own copy of the weights (vLLM) reload them from the trained
-policy after each update; engines that can free memory between rollouts (vLLM's sleep mode) do so; engines that keep
-state between the turns of a rollout (the ``hf`` engine's KV prefixes) drop it when the collector calls ``end_rollout``.
+its log-probability under the distribution it sampled from. It knows nothing of envs or chats: the collector builds
+the prompts and reads the answers. What the data module (:class:`ragen_pl.data.RolloutDataModule`) does with an
+engine, in order:
+
+1. ``bind(model, tokenizer)`` in ``setup``, and again whenever the strategy replaces the policy object (FSDP wraps it
+   after ``setup``). The base class keeps both as ``self.model`` and ``self.tokenizer``; an engine that needs more
+   (vLLM builds its ``LLM`` from the model's checkpoint folder) overrides it and calls ``super().bind``.
+2. If ``holds_weights`` is true, the engine samples from its *own copy* of the weights: ``load_weights`` gets the
+   policy's full weights (transformers names, LoRA merged) before the first rollout or evaluation, after every
+   update, and after a checkpoint load, always before the next ``generate``. An engine that samples with the
+   policy's own modules (``holds_weights = False``) never gets ``load_weights``.
+3. Each rollout or evaluation: ``wake_up()``, then one ``generate`` per turn, then ``end_rollout()`` (drop what was
+   kept between the turns) and ``sleep()`` (free memory for the update).
+4. ``state_dict()`` / ``load_state_dict()``: what a checkpoint keeps for a resumed run to sample the same (the
+   sampling RNG); every rank's is kept.
+
+``holds_weights`` may be a property when it depends on the bound model (the ``hf`` engine holds a copy only for a
+sharded policy).
 """
 
 from __future__ import annotations
@@ -12,21 +26,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-import torch.distributed as dist
 from torch import Tensor
 
-
-def process_rank() -> int:
-    """This process's rank under torch.distributed, 0 without it. Engines offset their sampling seed by it, so that
-    ranks sampling the same prompt (a Bandit's every group) draw different answers."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def process_count() -> int:
-    """The number of processes under torch.distributed, 1 without it."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+from ragen_pl.config import check_sampling
 
 
 @dataclass
@@ -45,14 +49,7 @@ class SamplingParams:
     """Keep sampling past the end-of-sequence token (for benchmarks that need fixed lengths)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"`temperature` must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"`top_k` must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.max_new_tokens)
 
 
 @dataclass
@@ -60,20 +57,33 @@ class Generation:
     token_ids: list[int]
     """The sampled token ids, exactly as sampled (never re-tokenised)."""
     logprobs: list[float]
-    """Log-probability of each sampled token under the sampling distribution."""
+    """Log-probability of each sampled token under the sampling distribution (temperature, top-k, top-p applied)."""
     finish_reason: Literal["stop", "length", "eos"]
     """Why the turn ended: a stop string, the token budget, or the end-of-sequence token."""
 
 
 class RolloutEngine(ABC):
-    """Base class of rollout engines."""
+    """Base class of rollout engines; the module docstring states the contract."""
+
+    holds_weights: bool = False
+    """Whether the engine samples from its own copy of the weights (then ``load_weights`` keeps it current)."""
+    model: Any = None
+    """The policy, as last given to :meth:`bind`."""
+    tokenizer: Any = None
+    """The policy's tokenizer, as last given to :meth:`bind`."""
+
+    def bind(self, model: Any, tokenizer: Any) -> None:
+        """Take the policy and its tokenizer (again, if the strategy wrapped the policy)."""
+        self.model, self.tokenizer = model, tokenizer
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt."""
+        """Sample one continuation per prompt (at least one token each)."""
 
-    def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:  # noqa: B027 - optional hook
-        """Take new policy weights. Engines that share the policy's parameters need nothing."""
+    def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Replace the engine's copy of the weights (called only when ``holds_weights``)."""
+        raise NotImplementedError(f"{type(self).__name__} holds its own weights (holds_weights) but does not "
+                                  f"implement load_weights: it would sample stale weights")
 
     def end_rollout(self) -> None:  # noqa: B027 - optional hook
         """A rollout's turns are over: drop what was kept between them (the ``hf`` engine's KV prefixes)."""
@@ -83,3 +93,10 @@ class RolloutEngine(ABC):
 
     def wake_up(self) -> None:  # noqa: B027 - optional hook
         """Reclaim what :meth:`sleep` freed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so a resumed run samples the same (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restore :meth:`state_dict`'s output."""

@@ -18,57 +18,25 @@ parameters), so a rank that has finished keeps stepping with a one-token dummy i
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_rank
-
-
-def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Sample one token per row of (N, V) logits; return ids (N,) and their log-probs (N,) after processing.
-
-    With top-k the rest happens among the k best tokens, an (N, k) problem already sorted for top-p, instead of
-    the whole vocabulary (exactly k tokens: a tie at the k-th logit is broken by index). Top-p alone sorts the
-    vocabulary.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        ids = logits.argmax(-1)
-        return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
-    logits = logits / params.temperature
-    candidates = None  # (N, k) vocabulary ids of the top-k logits, when top-k is on
-    if 0 < params.top_k < logits.shape[-1]:
-        logits, candidates = torch.topk(logits, params.top_k, dim=-1)  # sorted, largest first
-    if params.top_p < 1.0:
-        logits = _top_p(logits, params.top_p, presorted=candidates is not None)
-    logp = torch.log_softmax(logits, -1)
-    pick = torch.multinomial(logp.exp(), 1, generator=generator)  # (N, 1)
-    ids = pick if candidates is None else candidates.gather(-1, pick)
-    return ids.squeeze(-1), logp.gather(-1, pick).squeeze(-1)
-
-
-def _top_p(logits: Tensor, top_p: float, presorted: bool) -> Tensor:
-    """``logits`` with every token outside the nucleus (the fewest top tokens holding ``top_p`` of the mass) at -inf."""
-    sorted_logits, order = (logits, None) if presorted else torch.sort(logits, descending=True, dim=-1)
-    probs = torch.softmax(sorted_logits, -1)
-    drop_sorted = probs.cumsum(-1) - probs >= top_p  # mass before a token; keeps at least the top one
-    drop = drop_sorted if order is None else torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+from ragen_pl.dist import process_rank
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_pl.rollout.prefix import PrefixCache
+from ragen_pl.rollout.sampling import Outputs, sample_next
 
 
 class HFEngine(RolloutEngine):
     """Batched sampling with a transformers causal LM (entry name ``hf``).
 
     The engine is built empty; :meth:`bind` gives it the policy and tokenizer (the data module does this in
-    ``setup``, so the config never names the model twice).
+    ``setup``, so the config never names the model twice). It samples with the policy's own modules, so it holds no
+    weights of its own, except for a sharded policy (see ``gather_sharded``).
     """
-
-    shares_policy = True
-    """Samples with the trained policy's own modules (no weight sync; re-bound if the strategy wraps the policy)."""
 
     def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True,
                  gather_sharded: bool = True, prefix_cache: bool = True) -> None:
@@ -97,8 +65,6 @@ class HFEngine(RolloutEngine):
         self.gather_sharded = gather_sharded
         self._copy: nn.Module | None = None
         self._graphs_failed = False
-        self.model: nn.Module | None = None
-        self.tokenizer = None
         self.generator: torch.Generator | None = None
         """The sampling generator, made on the model's device at the first ``generate`` (see ``_generator``)."""
         self._pending_state: dict | None = None
@@ -108,7 +74,7 @@ class HFEngine(RolloutEngine):
 
     def bind(self, model: nn.Module, tokenizer) -> None:
         # No generator yet: Lightning binds the engine in `setup`, before it moves the model to its device.
-        self.model, self.tokenizer = model, tokenizer
+        super().bind(model, tokenizer)
         self.end_rollout()
 
     def end_rollout(self) -> None:
@@ -118,13 +84,13 @@ class HFEngine(RolloutEngine):
 
     # ---- sharded policies: sample through an unsharded copy
     @property
-    def needs_weight_sync(self) -> bool:
+    def holds_weights(self) -> bool:  # type: ignore[override]
         """True while the bound policy is sharded and sampled through a copy (see ``gather_sharded``)."""
         return self.gather_sharded and self.model is not None and _is_sharded(self.model)
 
     def load_weights(self, state_dict) -> None:
         """The sharded policy's full weights (``RagenModule.policy_state_dict``): build or refresh the copy."""
-        if not self.needs_weight_sync:
+        if not self.holds_weights:
             return
         self.end_rollout()
         if self._copy is None:
@@ -133,11 +99,11 @@ class HFEngine(RolloutEngine):
             self._copy.load_state_dict(state_dict)
 
     def _sampling_model(self) -> nn.Module:
-        if not self.needs_weight_sync:
+        if not self.holds_weights:
             return self.model
         if self._copy is None:
             raise RuntimeError("HFEngine: a sharded policy samples through its unsharded copy, which needs "
-                               "load_weights(policy_state_dict) first (RolloutDataModule.sync_engine does it)")
+                               "load_weights(policy_state_dict) first (the data module does it before sampling)")
         # Under mixed precision the copy holds the compute dtype. The policy's own float32 masters are cast once per
         # autocast region (autocast caches the casts of weights that need grad); a frozen float32 copy would be
         # cast again at every decode step, reading three times the bytes of a bf16 copy.
@@ -243,7 +209,7 @@ class HFEngine(RolloutEngine):
             past.append((_stack_left(rows_k), _stack_left(rows_v)))
         return input_ids, torch.cat([cached, fed], dim=-1), past
 
-    def _keep(self, prompts: list[list[int]], out: _Outputs, owners: list[int], batch: list[int],
+    def _keep(self, prompts: list[list[int]], out: Outputs, owners: list[int], batch: list[int],
               layers: list[tuple[Tensor, Tensor]], columns: Tensor) -> None:
         """Keep what batch rows ``batch`` fed: row j's prompt ``prompts[owners[j]]`` and all but the newest of its
         sampled tokens, whose KV sits at the true columns of its row of ``columns`` (a boolean (len(batch), L)
@@ -283,7 +249,7 @@ class HFEngine(RolloutEngine):
         input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
         decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture,
                                 rows=torch.tensor(inverse, device=device) if len(distinct) < n else None, past=past)
-        out = _Outputs(n, tok, params)
+        out = Outputs(n, tok, params)
         rows = list(range(n))  # prompt index of each batch row
         live = set(rows)
         logits = decoder.first_logits
@@ -313,7 +279,7 @@ class HFEngine(RolloutEngine):
         self._keep_static(decoder, prompts, out, rows, list(range(len(rows))))
         return out.generations()
 
-    def _keep_static(self, decoder, prompts, out: _Outputs, rows: list[int], batch: list[int]) -> None:
+    def _keep_static(self, decoder, prompts, out: Outputs, rows: list[int], batch: list[int]) -> None:
         """Keep what static-path batch rows ``batch`` fed: the real columns of their prompt, then one column per
         sampled token but the last (``rows`` maps a batch row to its prompt)."""
         if self.prefix is None or not batch:
@@ -335,7 +301,7 @@ class HFEngine(RolloutEngine):
         generator = self._generator(device)
         if sync and not self._any_rank(n > 0, device):
             return []
-        out = _Outputs(n, tok, params)
+        out = Outputs(n, tok, params)
         rows = list(range(n))  # prompt index of each live row
         cache = DynamicCache()
         if n:
@@ -384,78 +350,6 @@ class HFEngine(RolloutEngine):
         return out.generations()
 
 
-class _Outputs:
-    """What each prompt sampled so far, and why it finished; one per ``generate`` call."""
-
-    def __init__(self, n: int, tok, params: SamplingParams) -> None:
-        self.tok = tok
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list[float]] = [[] for _ in range(n)]
-        self.reasons: list[str] = ["length"] * n
-        self.eos = {tok.eos_token_id} if tok.eos_token_id is not None and not params.ignore_eos else set()
-        self.stops = [s for s in params.stop if s]
-
-    def record(self, i: int, token: int, logprob: float) -> bool:
-        """Append prompt ``i``'s sampled token; return whether it ended the turn (eos or a stop string)."""
-        self.tokens[i].append(token)
-        self.logprobs[i].append(logprob)
-        if token in self.eos:
-            self.reasons[i] = "eos"
-        elif self.stops and _ends_with_stop(self.tok, self.tokens[i], self.stops):
-            self.reasons[i] = "stop"
-        else:
-            return False
-        return True
-
-    def generations(self) -> list[Generation]:
-        return [Generation(t, lp, r) for t, lp, r in zip(self.tokens, self.logprobs, self.reasons)]  # type: ignore[arg-type]
-
-
-@dataclass
-class _Kept:
-    tokens: list[int]
-    layers: list[tuple[Tensor, Tensor]]
-    """Each layer's (keys, values) of ``tokens``, each (H, len(tokens), D)."""
-
-
-class PrefixCache:
-    """The KV of the sequences one ``generate`` call fed, until the next call takes the longest one each prompt
-    starts with (then all are dropped: a conversation's next turn extends its last turn, never an older one)."""
-
-    _TAIL = 8
-    """Kept sequences are indexed by length and last tokens; a candidate is then compared whole."""
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple[int, tuple[int, ...]], list[_Kept]] = {}
-
-    def _key(self, tokens: list[int], n: int) -> tuple[int, tuple[int, ...]]:
-        return n, tuple(tokens[max(0, n - self._TAIL):n])
-
-    def add(self, tokens: list[int], layers: list[tuple[Tensor, Tensor]]) -> None:
-        self._kept.setdefault(self._key(tokens, len(tokens)), []).append(_Kept(tokens, layers))
-
-    def take(self, prompts: list[list[int]]) -> list[_Kept | None]:
-        """For each prompt, the longest kept sequence it extends (None if none); then forget them all."""
-        lengths = sorted({n for n, _ in self._kept}, reverse=True)
-        found = [self._longest(p, lengths) for p in prompts]
-        self.clear()
-        return found
-
-    def _longest(self, prompt: list[int], lengths: list[int]) -> _Kept | None:
-        for n in lengths:
-            if n < len(prompt):  # at least one token of the prompt is fed: its logits start the answer
-                for kept in self._kept.get(self._key(prompt, n), ()):
-                    if kept.tokens == prompt[:n]:
-                        return kept
-        return None
-
-    def clear(self) -> None:
-        self._kept = {}
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._kept.values())
-
-
 def _stack_left(rows: list[Tensor]) -> Tensor:
     """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
     return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
@@ -493,12 +387,3 @@ def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     seen: dict[tuple[int, ...], int] = {}
     inverse = [seen.setdefault(tuple(p), len(seen)) for p in prompts]
     return [list(p) for p in seen], inverse
-
-
-def _ends_with_stop(tok, ids: list[int], stops: list[str]) -> bool:
-    """Whether the decoded text of ``ids`` now contains a stop string that ends in its newest token."""
-    longest = max(len(s) for s in stops)
-    tail = ids[-longest:]  # every token has at least one character, so this covers the longest stop string
-    text = tok.decode(tail, skip_special_tokens=False)
-    before = tok.decode(tail[:-1], skip_special_tokens=False) if len(tail) > 1 else ""
-    return any(s in text and s not in before for s in stops)

@@ -23,12 +23,14 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ragen_pl.dist import process_count, process_rank
 from ragen_pl.errors import ConfigError
-from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams, process_count, process_rank
+from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 
 
 class VLLMEngine(RolloutEngine):
-    needs_weight_sync = True
+    holds_weights = True
+    """vLLM samples from its own copy of the weights, reloaded after every update."""
 
     def __init__(
         self,
@@ -51,18 +53,22 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size: GPUs one vLLM instance shards the model over.
         """
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"`engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}")
+            raise ValueError(f"`--data.engine.gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization}")
         self.gpu_memory_utilization, self.dtype = gpu_memory_utilization, dtype
         self.enable_sleep_mode, self.max_model_len, self.seed = enable_sleep_mode, max_model_len, seed
         self.kv_cache_gib_cpu = kv_cache_gib_cpu
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"`engine.tensor_parallel_size` must be an integer >= 1, got {tensor_parallel_size!r}")
+            raise ValueError(f"`--data.engine.tensor_parallel_size` must be an integer >= 1, got {tensor_parallel_size!r}")
         self.tensor_parallel_size = tensor_parallel_size
         self.llm = None
-        self.tokenizer = None
         self.asleep: set[str] = set()  # what vLLM holds off the GPU: {"weights", "kv_cache"} between sleep and wake_up
 
     def bind(self, model: nn.Module, tokenizer) -> None:
+        """Build the ``vllm.LLM`` from the policy's checkpoint folder, once (a later bind, after the strategy wrapped
+        the policy, only takes the new object: the weights arrive through ``load_weights``)."""
+        super().bind(model, tokenizer)
+        if self.llm is not None:
+            return
         try:
             import vllm
         except ImportError as err:
@@ -72,7 +78,7 @@ class VLLMEngine(RolloutEngine):
             from vllm.platforms import current_platform
 
             if not current_platform.is_sleep_mode_available():
-                raise ConfigError(f"`engine.enable_sleep_mode` needs a GPU (vLLM's sleep mode runs on CUDA, ROCm and "
+                raise ConfigError(f"`--data.engine.enable_sleep_mode` needs a GPU (vLLM's sleep mode runs on CUDA, ROCm and "
                                   f"XPU); this vLLM runs on {current_platform.device_type or 'an unknown device'}: "
                                   "set it to false")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib_cpu))
@@ -90,7 +96,6 @@ class VLLMEngine(RolloutEngine):
             kwargs["max_model_len"] = self.max_model_len
         self.llm = vllm.LLM(**kwargs)
         self.asleep = set()
-        self.tokenizer = tokenizer
 
     def _colocated_launch(self) -> dict:
         """Under several training processes, each one's vLLM runs in that process on that process's GPU.
@@ -105,7 +110,7 @@ class VLLMEngine(RolloutEngine):
         if world == 1:
             return {}
         if self.tensor_parallel_size > 1:
-            raise ConfigError(f"`engine.tensor_parallel_size` ({self.tensor_parallel_size}) > 1 needs a single "
+            raise ConfigError(f"`--data.engine.tensor_parallel_size` ({self.tensor_parallel_size}) > 1 needs a single "
                               f"training process; this run has {world}: use 1 (each process's engine samples on "
                               "its own GPU)")
         local = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))

@@ -3,10 +3,11 @@ import time
 import pytest
 import torch
 
+from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.base import Env
 from ragen_pl.envs.sokoban import Sokoban
-from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutConfig
+from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from ragen_pl.rollout.engine import Generation, RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
 
@@ -16,6 +17,10 @@ class Recording(RolloutEngine):
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
+
+    @property
+    def model(self):  # the wrapped engine's model (the collector reads its context length)
+        return self.inner.model
 
     def generate(self, prompts, params):
         gens = self.inner.generate(prompts, params)
@@ -199,10 +204,14 @@ def test_failing_and_hanging_envs_are_excluded_and_counted(tiny):
 
 
 def test_rollout_config_errors():
-    with pytest.raises(ValueError, match=r"`rollout.max_turns` must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`--data.rollout.max_turns` must be an integer >= 1, got 0"):
         RolloutConfig(max_turns=0)
-    with pytest.raises(ValueError, match=r"`rollout.reward_placement` must be 'turn' or 'last_turn', got 'end'"):
+    with pytest.raises(ValueError, match=r"`--data.rollout.reward_placement` must be one of turn, last_turn, got 'end'"):
         RolloutConfig(reward_placement="end")
+    with pytest.raises(ValueError, match=r"`--data.rollout.temperature` must be >= 0, got -1"):
+        RolloutConfig(temperature=-1)
+    with pytest.raises(ValueError, match=r"`--data.rollout.top_k` must be -1 \(off\) or an integer >= 1, got 0"):
+        RolloutConfig(top_k=0)
 
 
 @pytest.mark.parametrize("window", [1, 2])
@@ -234,5 +243,70 @@ def test_context_window_rows_are_exactly_what_was_fed_and_sampled(tiny, window):
 
 
 def test_context_window_error():
-    with pytest.raises(ValueError, match=r"`rollout.context_window` must be an integer >= 1 or null, got 0"):
+    with pytest.raises(ValueError, match=r"`--data.rollout.context_window` must be an integer >= 1 or null, got 0"):
         RolloutConfig(context_window=0)
+
+
+class Growing(Env):
+    """An env whose observation is ``words`` words at reset and doubles at every step."""
+
+    actions = ("A",)
+
+    def __init__(self, words: int = 10, tag: str | None = None) -> None:
+        super().__init__(tag)
+        self.words = words
+
+    @property
+    def instructions(self) -> str:
+        return "Answer A."
+
+    def reset(self, seed: int) -> str:
+        self.n = self.words
+        return self.render()
+
+    def step(self, action: str):
+        self.n *= 2
+        return self.render(), 0.0, False, {"success": False, "action_is_valid": True, "action_is_effective": True}
+
+    def render(self) -> str:
+        return "ice " * self.n
+
+
+def test_a_first_prompt_past_the_context_is_a_one_line_error_before_any_forward(tiny):
+    """Issue 21: an observation of 6,000+ tokens (the tiny model has 4,096 positions) was fed anyway."""
+    from ragen_pl.errors import ConfigError
+
+    model, tok = tiny
+    engine = Recording(HFEngine(seed=0))
+    engine.inner.bind(model, tok)
+    collector = Collector(engine, tok, RolloutConfig(max_turns=2, max_new_tokens=8))
+    assert collector.max_seq_len == 4096  # the model's context, by default
+    with pytest.raises(ConfigError, match=r"^env 'Huge' \(seed 3\): its first prompt is \d{4,} tokens, which with "
+                                          r"`--data.rollout.max_new_tokens` \(8\) passes the context limit of 4096 "
+                                          r"tokens"):
+        collector.collect([EpisodeSpec(Growing(6000, tag="Huge"), seed=3, group_id=0)])
+    assert engine.calls == []  # nothing reached the model
+
+
+def test_a_turn_past_the_context_ends_the_trajectory_truncated_and_warns_once_per_env(tiny):
+    model, tok = tiny
+    engine = Recording(HFEngine(seed=0))
+    engine.inner.bind(model, tok)
+    config = RolloutConfig(max_turns=6, max_new_tokens=8, think=False, max_seq_len=600)
+    collector = Collector(engine, tok, config)
+    specs = [EpisodeSpec(Growing(20), seed=s, group_id=s) for s in range(3)]
+    with pytest.warns(UserWarning, match=r"env 'Growing': a trajectory ended truncated") as caught:
+        result = collector.collect(specs)
+    assert len([w for w in caught if "truncated" in str(w.message)]) == 1
+    assert all(ep.truncated and ep.turns < 6 for ep in result.episodes)
+    longest = max(len(p) for prompts, _ in engine.calls for p in prompts)
+    assert longest + config.max_new_tokens <= 600  # no prompt past the limit was fed
+    from ragen_pl.metrics import rollout_metrics
+
+    assert float(rollout_metrics(result.episodes)["rollout/truncated"]) == 1.0
+    with pytest.warns(UserWarning) as again:  # the same collector does not warn twice for one env
+        import warnings
+
+        collector.collect(specs)
+        warnings.warn("marker", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in again] == ["marker"]

