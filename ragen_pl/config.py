@@ -89,6 +89,9 @@ class PPOConfig:
     """How token losses are reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
     grad_clip: float = 1.0
     """Max gradient norm per optimiser step."""
+    share_prefix: bool = True
+    """Run the prompt prefix that all rows of a micro-batch share once, not once per row (the same losses and
+    gradients; off with gradient checkpointing or a sharded model, which cannot take a KV cache)."""
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):

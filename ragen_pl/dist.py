@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_rows", "max_over_processes", "mean_over_ranks", "process_count", "process_rank",
+__all__ = ["gather_rows", "is_sharded", "max_over_processes", "mean_over_ranks", "process_count", "process_rank",
            "sum_over_processes"]
 
 
@@ -35,6 +35,13 @@ def process_rank() -> int:
 def process_count() -> int:
     """The number of processes under torch.distributed, 1 without it."""
     return dist.get_world_size() if _active() else 1
+
+
+def is_sharded(model) -> bool:
+    """Whether ``model`` is an FSDP1 or FSDP2 root (its forward gathers parameters: a collective)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FullyShardedDataParallel, FSDPModule))
 
 
 def sum_over_processes(t: Tensor) -> Tensor:

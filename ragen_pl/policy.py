@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.scoring import shift_values
+from ragen_pl.scoring import MIN_SHARED_PREFIX, can_share, forward_shared, shared_prefix_length, shift_values
 
 __all__ = ["Models", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "policy_state_dict", "shard"]
 
@@ -32,8 +32,13 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.head = zero_head(hidden_size)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, prefix: int = 0) -> Tensor:
+        """(B, T) values; with ``prefix`` the rows' shared first tokens run once (their values are not needed: 0)."""
+        if prefix:
+            hidden = forward_shared(self.backbone, input_ids, attention_mask, prefix).last_hidden_state
+            hidden = torch.cat([hidden.new_zeros(hidden.shape[0], prefix, hidden.shape[2]), hidden], 1)
+        else:
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return shift_values(self.head(hidden).squeeze(-1))
 
 
@@ -61,6 +66,13 @@ class Models:
     @property
     def has_critic(self) -> bool:
         return self.critic is not None or self.value_head is not None
+
+    def critic_values(self, ids: Tensor, attn: Tensor, mask: Tensor, share_prefix: bool) -> Tensor:
+        """(B, T) values of the separate critic (the rows' shared prefix run once if ``share_prefix``)."""
+        assert self.critic is not None
+        backbone = getattr(self.critic, "backbone", None)
+        prefix = shared_prefix_length(ids, mask) if share_prefix and backbone is not None and can_share(backbone) else 0
+        return self.critic(ids, attn, prefix) if prefix >= MIN_SHARED_PREFIX else self.critic(ids, attn)
 
     def shared_values(self, hidden: Tensor) -> Tensor:
         """(B, T) values of the value head on the policy's (B, T, H) hidden states."""

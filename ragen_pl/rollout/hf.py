@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from ragen_pl.dist import process_rank
+from ragen_pl.dist import is_sharded, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 from ragen_pl.rollout.prefix import PrefixCache
 from ragen_pl.rollout.sampling import Outputs, sample_next
@@ -86,7 +86,7 @@ class HFEngine(RolloutEngine):
     @property
     def holds_weights(self) -> bool:  # type: ignore[override]
         """True while the bound policy is sharded and sampled through a copy (see ``gather_sharded``)."""
-        return self.gather_sharded and self.model is not None and _is_sharded(self.model)
+        return self.gather_sharded and self.model is not None and is_sharded(self.model)
 
     def load_weights(self, state_dict) -> None:
         """The sharded policy's full weights (``RagenModule.policy_state_dict``): build or refresh the copy."""
@@ -144,7 +144,7 @@ class HFEngine(RolloutEngine):
         """Whether sampling ``model`` keeps the ranks in lockstep (see ``sync_ranks``)."""
         if self.sync_ranks is not None:
             return self.sync_ranks
-        return dist.is_available() and dist.is_initialized() and _is_sharded(model)
+        return dist.is_available() and dist.is_initialized() and is_sharded(model)
 
     def _any_rank(self, flag: bool, device: torch.device) -> bool:
         t = torch.tensor([int(flag)], device=device)
@@ -353,12 +353,6 @@ class HFEngine(RolloutEngine):
 def _stack_left(rows: list[Tensor]) -> Tensor:
     """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
     return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return isinstance(model, (FullyShardedDataParallel, FSDPModule))
 
 
 def _unsharded_copy(model: nn.Module, state_dict, dtype: torch.dtype | None = None) -> nn.Module:

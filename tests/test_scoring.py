@@ -1,0 +1,77 @@
+"""Scoring with a shared prefix (the rows' common prompt run once) gives the plain forward's log-probs, entropy,
+hidden states, critic values and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ragen_pl.policy import Models, ValueModel
+from ragen_pl.scoring import MIN_SHARED_PREFIX, score, shared_prefix_length
+
+
+def rows_with_a_common_prompt(vocab: int, B: int = 4, prefix: int = 40, T: int = 70, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    ids[:, :prefix] = ids[0, :prefix]
+    attn = torch.ones(B, T, dtype=torch.bool)
+    attn[1, 60:], attn[3, 55:] = False, False  # right padding
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, prefix + 5:prefix + 12] = True  # the first answer
+    mask[0, 50:58], mask[2, 62:69], mask[3, 48:54] = True, True, True
+    return ids, attn & torch.ones_like(attn), mask & attn
+
+
+def test_shared_prefix_length_stops_before_the_first_scored_logit():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9]])
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert shared_prefix_length(ids, mask) == 3  # 4 tokens in common, but token 4's logits sit at position 3
+    mask[1, 2] = True
+    assert shared_prefix_length(ids, mask) == 1
+    assert shared_prefix_length(ids[:1], mask[:1]) == 0  # one row shares nothing with anyone
+
+
+def test_scores_values_and_gradients_equal_the_plain_forward(tiny):
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    critic = ValueModel(copy.deepcopy(model.model), model.config.hidden_size)
+    torch.nn.init.normal_(critic.head.weight, std=0.1)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    ids, attn, mask = rows_with_a_common_prompt(model.config.vocab_size)
+    assert shared_prefix_length(ids, mask) == 40 >= MIN_SHARED_PREFIX  # the common prompt
+    results = []
+    for share in (False, True):
+        for p in [*model.parameters(), *critic.parameters(), *head.parameters()]:
+            p.grad = None
+        s = score(model, ids, attn, mask, temperature=0.7, entropy=True, hidden=True, share_prefix=share)
+        models = Models(model, critic=critic)
+        values = models.critic_values(ids, attn, mask, share_prefix=share)
+        shared_head = Models(model, value_head=head).shared_values(s.hidden)
+        loss = (s.logprobs * mask).sum() + (s.entropy * mask).sum() + (values * mask).sum() + (shared_head * mask).sum()
+        loss.backward()
+        grads = [p.grad.clone() for p in [*model.parameters(), *critic.parameters(), *head.parameters()]]
+        results.append((s.logprobs.detach(), s.entropy.detach(), (values * mask).detach(),
+                        (shared_head * mask).detach(), grads))
+    (lp0, e0, v0, h0, g0), (lp1, e1, v1, h1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_gradient_checkpointed_model_never_takes_the_shared_path(tiny, share, monkeypatch):
+    import ragen_pl.scoring as scoring
+
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    model.gradient_checkpointing_enable()
+    called = []
+    monkeypatch.setattr(scoring, "forward_shared", lambda *a, **k: called.append(1))
+    ids, attn, mask = rows_with_a_common_prompt(model.config.vocab_size)
+    score(model, ids, attn, mask, share_prefix=share)
+    assert called == []
