@@ -31,8 +31,10 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from ragen_pl.advantages import Advantage
+from ragen_pl.collapse import CollapseConfig, collapse_metrics
 from ragen_pl.config import LoraSettings, OptimConfig, PPOConfig, check_choice, from_saved
-from ragen_pl.dist import mean_over_ranks
+from ragen_pl.dist import is_sharded, mean_over_ranks
+from ragen_pl.errors import ConfigError
 from ragen_pl.losses import PolicyLoss
 from ragen_pl.policy import Models, load_models, policy_state_dict, shard
 from ragen_pl.rewards import RewardNorm
@@ -58,6 +60,7 @@ class RagenModule(pl.LightningModule):
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         policy_loss: PolicyLoss | None = None,
+        collapse: CollapseConfig | None = None,
     ) -> None:
         """
         Args:
@@ -75,6 +78,8 @@ class RagenModule(pl.LightningModule):
             dtype: weights dtype; use bf16-mixed precision in the trainer for bf16 compute.
             seed: seed of the mini-batch shuffling generator.
             policy_loss: the actor's objective (default PPO's clip with ``ppo``'s clip range).
+            collapse: log RAGEN-2's collapse metrics (I(X;Z), H(Z|X), retrieval accuracy) on a sample of each
+                rollout (default off).
         """
         super().__init__()
         self.automatic_optimization = False
@@ -91,12 +96,16 @@ class RagenModule(pl.LightningModule):
         self.reward_norm = from_saved(RewardNorm, reward_norm)
         self.lora = from_saved(LoraSettings, lora) if lora is not None else None
         self.policy_loss = policy_loss if policy_loss is not None else PPOClip()
+        self.collapse = from_saved(CollapseConfig, collapse) if collapse is not None else None
+        self.collapse_generator = torch.Generator().manual_seed(self.collapse.seed if self.collapse else 0)
         self.critic_mode, self.gradient_checkpointing, self.seed = critic, gradient_checkpointing, seed
         self.torch_dtype = getattr(torch, dtype)
         # Plain values only, so checkpoints load with torch's safe `weights_only` unpickler.
-        self.save_hyperparameters(ignore=["advantage", "ppo", "optim", "reward_norm", "lora", "policy_loss"])
+        self.save_hyperparameters(ignore=["advantage", "ppo", "optim", "reward_norm", "lora", "policy_loss",
+                                          "collapse"])
         self.hparams.update(ppo=asdict(self.ppo), optim=asdict(self.optim), reward_norm=asdict(self.reward_norm),
                             lora=asdict(self.lora) if self.lora is not None else None,
+                            collapse=asdict(self.collapse) if self.collapse is not None else None,
                             advantage=_class_path(self.advantage), advantage_args=_init_args(self.advantage),
                             policy_loss=_class_path(self.policy_loss), policy_loss_args=_init_args(self.policy_loss))
         self.uses_critic = type(self.advantage).needs_critic
@@ -145,6 +154,9 @@ class RagenModule(pl.LightningModule):
 
         strategy = self.trainer.strategy
         shard(self, strategy, self.device_mesh if isinstance(strategy, ModelParallelStrategy) else None)
+        if self.collapse is not None and is_sharded(self.policy):
+            raise ConfigError("`--model.collapse` needs an unsharded policy (its cross-scoring differs between ranks); "
+                              "turn it off under FSDP")
 
     @override
     def configure_optimizers(self):
@@ -184,8 +196,12 @@ class RagenModule(pl.LightningModule):
         batch: TrajectoryBatch = rollout.batch.to(self.device)
         rollout.batch = batch
         metrics = dict(rollout.metrics)
-        t0 = time.perf_counter()
         fresh = batch.advantages is None
+        if fresh and self.collapse is not None and self.trainer.global_step % self.collapse.every_n_steps == 0:
+            # The sampling policy's view of this rollout, before the update changes it.
+            metrics.update(collapse_metrics(self.policy, self.tokenizer, rollout.result.batch, self.collapse,
+                                            self.collapse_generator))
+        t0 = time.perf_counter()
         if fresh:
             metrics.update(self.prepare(batch))
         # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
@@ -248,11 +264,14 @@ class RagenModule(pl.LightningModule):
     # ---------------------------------------------------------------------------------- checkpointing
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["ragen_pl"] = self.updater.state_dict()
+        checkpoint["ragen_pl"] = {**self.updater.state_dict(), "collapse_generator": self.collapse_generator.get_state()}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.updater.load_state_dict(checkpoint.get("ragen_pl", {}))
+        state = checkpoint.get("ragen_pl", {})
+        self.updater.load_state_dict(state)
+        if "collapse_generator" in state:
+            self.collapse_generator.set_state(state["collapse_generator"])
         self.weights_version += 1  # the checkpoint's weights replace the current ones
 
 

@@ -26,6 +26,10 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "reasoning.png": ("Thinking that names the answered actions", "share of turns",
                       ("rollout/think_answer_agreement", "rollout/*/think_answer_agreement")),
     "think_length.png": ("Thinking length", "words per turn", ("rollout/think_words", "rollout/*/think_words")),
+    "collapse_mi.png": ("Input dependence of the reasoning, I(X;Z) (RAGEN-2)", "nats per token", ("collapse/mi",)),
+    "collapse_entropy.png": ("Within-input entropy of the reasoning, H(Z|X)", "nats per token",
+                             ("collapse/conditional_entropy",)),
+    "mismatch.png": ("Sampler vs trainer log-probs (mean |difference|)", "nats", ("mismatch/logprob_abs_diff_mean",)),
 }
 
 
