@@ -21,6 +21,7 @@ from ragen_pl.types import TrajectoryBatch
 
 __all__ = [
     "GAE",
+    "DrGRPO",
     "GRPO",
     "RLOO",
     "Advantage",
@@ -335,6 +336,17 @@ class GRPO(Advantage):
 
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
         return _grouped(grpo, batch, scale=self.scale, eps=self.eps), None
+
+
+class DrGRPO(Advantage):
+    """Dr. GRPO's advantage (Liu et al. 2025): the reward minus its group's mean, with no division by the group's
+    std (which up-weights the easiest and hardest prompts). Pair it with ``--model.ppo.loss_agg
+    seq-mean-token-sum-norm`` (no per-sequence length normalisation): ``configs/variants/dr_grpo.yaml``."""
+
+    needs_groups = True
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
+        return _grouped(grpo, batch, scale="none"), None
 
 
 class RLOO(Advantage):

@@ -266,7 +266,10 @@ class EchoTrapAlarm(Callback):
                    f"{self.streaks[self.last_tag or '']} steps (success collapsing while behaviour narrows). "
                    f"Consider a stronger variance filter, a lower learning rate, or clip-higher.")
         rank_zero_warn(message)
-        pl_module.log("echo_trap/fired", 1.0, batch_size=1)
+        if hasattr(pl_module, "log_sporadic"):  # logged once, at this step (not repeated by Lightning)
+            pl_module.log_sporadic({"echo_trap/fired": 1.0})
+        else:
+            pl_module.log("echo_trap/fired", 1.0, batch_size=1)
         if self.action == "checkpoint":
             path = Path(trainer.log_dir or trainer.default_root_dir) / f"echo-trap-step{trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
@@ -274,6 +277,39 @@ class EchoTrapAlarm(Callback):
         elif self.action == "stop":
             trainer.should_stop = True
         self.streaks[self.last_tag or ""] = 0
+
+
+class TrainingBudget(Callback):
+    """Stop training once its iterations (rollout, filter, scoring, update: ``time/iteration``) have used
+    ``minutes`` of wall time; evaluations do not count. The run then ends as at ``max_steps`` (checkpoint saved)."""
+
+    def __init__(self, minutes: float) -> None:
+        """
+        Args:
+            minutes: training time allowed, evaluations not counted.
+        """
+        if not minutes > 0:
+            raise ValueError(f"`TrainingBudget.minutes` must be > 0, got {minutes}")
+        self.minutes = minutes
+        self.spent_s = 0.0
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        spent = trainer.callback_metrics.get("time/iteration")
+        if spent is not None:
+            self.spent_s += float(spent)
+        if self.spent_s >= 60 * self.minutes:
+            rank_zero_info(f"training budget of {self.minutes:g} minutes used ({self.spent_s:.0f} s of iterations); "
+                           f"stopping after {trainer.global_step} iterations")
+            trainer.should_stop = True
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"spent_s": self.spent_s}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.spent_s = float(state_dict.get("spent_s", 0.0))
 
 
 def _median(values) -> float:

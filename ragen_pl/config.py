@@ -86,9 +86,24 @@ class PPOConfig:
     vf_coeff: float = 0.5
     """Weight of the value loss when the critic shares the policy's trunk."""
     loss_agg: LossAgg = "token-mean"
-    """How token losses are reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean."""
+    """How token losses are reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean, or
+    seq-mean-token-sum-norm (Dr. GRPO: each sequence's token sum divided by ``loss_agg_norm``)."""
+    loss_agg_norm: float | None = None
+    """The constant of ``seq-mean-token-sum-norm``: the generation budget per trajectory (Dr. GRPO), e.g.
+    ``max_turns x max_new_tokens``. Only with that mode."""
     grad_clip: float = 1.0
     """Max gradient norm per optimiser step."""
+    tis_cap: float | None = None
+    """Off-policy correction for the sampler/trainer mismatch (truncated importance sampling): each token's
+    policy-gradient term is weighted by ``min(p_old / p_sampler, tis_cap)`` (the trainer's old log-prob over the
+    engine's; detached). None (default) turns it off."""
+    mis_bound: float | None = None
+    """Off-policy correction by masking: a trajectory whose geometric-mean sampler/trainer ratio
+    ``exp(mean_t log(p_old / p_sampler))`` lies outside [1/bound, bound] is left out of the policy-gradient term.
+    None (default) turns it off."""
+    replay_sampling_mask: bool = True
+    """When rollouts were sampled with top-k or top-p, score each token over the set of ids its sampler kept (old,
+    new and entropy alike), so the importance ratio compares like with like; false scores the whole vocabulary."""
     share_prefix: bool = True
     """Run the prompt prefix that all rows of a micro-batch share once, not once per row (the same losses and
     gradients; off with gradient checkpointing or a sharded model, which cannot take a KV cache)."""
@@ -111,7 +126,17 @@ class PPOConfig:
         check_choice("--model.ppo.kl_mode", self.kl_mode, Literal["loss", "reward"])
         check_choice("--model.ppo.kl_estimator", self.kl_estimator, KLEstimator)
         check_choice("--model.ppo.loss_agg", self.loss_agg, LossAgg)
+        if (self.loss_agg == "seq-mean-token-sum-norm") != (self.loss_agg_norm is not None):
+            raise ValueError(f"`--model.ppo.loss_agg_norm` is set exactly when `--model.ppo.loss_agg` is "
+                             f"seq-mean-token-sum-norm (a number > 0, the generation budget); got loss_agg "
+                             f"{self.loss_agg!r}, loss_agg_norm {self.loss_agg_norm!r}")
+        if self.loss_agg_norm is not None:
+            _check_number("--model.ppo.loss_agg_norm", self.loss_agg_norm, 0.0, low_open=True)
         _check_number("--model.ppo.grad_clip", self.grad_clip, 0.0, low_open=True)
+        if self.tis_cap is not None:
+            _check_number("--model.ppo.tis_cap", self.tis_cap, 1.0)
+        if self.mis_bound is not None:
+            _check_number("--model.ppo.mis_bound", self.mis_bound, 1.0, low_open=True)
 
 
 @dataclass

@@ -15,6 +15,7 @@ and yield one dict of metrics per env (keys ``val/<tag>/...``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class RolloutBatch:
     """Rollout and filter metrics, computed over this rank's trajectories before filtering."""
     result: RolloutResult | None = None
     """The full rollout, for sample logging."""
+    empty: bool = False
+    """The filter kept no group (on any rank): the iteration trains nothing."""
 
 
 class _Stream(IterableDataset):
@@ -128,6 +131,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.seed, self.val_seed = seed, val_seed
         self.iteration = 0
         """Rollouts played so far (the env seed counter); checkpointed."""
+        self.empty_filters = 0
+        """Iterations in a row whose filter kept nothing."""
         self._last: RolloutBatch | None = None
         self._steps_since_rollout = 0
         self.collector: Collector | None = None
@@ -187,8 +192,17 @@ class RolloutDataModule(pl.LightningDataModule):
         keep, filter_metrics = self._filter(batch)
         metrics.update(filter_metrics)
         metrics["time/filter"] = torch.tensor(time.perf_counter() - t0)
+        kept = float(filter_metrics["filter/kept_frac"])  # of every rank's groups
         batch = self._pad_for_ranks(batch, keep)
-        return RolloutBatch(batch, metrics, result)
+        batch.loss_scale = self.filter.loss_scale(kept)
+        self.empty_filters = self.empty_filters + 1 if kept == 0 else 0
+        metrics["filter/empty_in_a_row"] = torch.tensor(float(self.empty_filters))
+        stop = self.filter.empty_stop_steps
+        if stop is not None and self.empty_filters >= stop and getattr(self, "trainer", None) is not None:
+            rank_zero_warn(f"the filter kept no group in {self.empty_filters} iterations in a row "
+                           f"(`--data.filter.empty_stop_steps` {stop}): stopping training")
+            self.trainer.should_stop = True
+        return RolloutBatch(batch, metrics, result, empty=kept == 0)
 
     def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
         """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode)."""
@@ -236,10 +250,12 @@ class RolloutDataModule(pl.LightningDataModule):
             return out.keep[rows], out.metrics
         # Gather every rank's small per-trajectory stats (ranks may hold different numbers), filter them together.
         device = self.trainer.strategy.root_device
-        mine = torch.stack([stats.scores.double(), stats.group_ids.double(), stats.lengths.double()], -1)  # (n, 3)
-        gathered = gather_rows(mine, device)
+        entropy = stats.entropy.double() if stats.entropy is not None else torch.full_like(stats.scores, math.nan).double()
+        mine = torch.stack([stats.scores.double(), stats.group_ids.double(), stats.lengths.double(), entropy], -1)
+        gathered = gather_rows(mine, device)  # (n_rank, 4) each
         flat = torch.cat(gathered)
-        everyone = TrajectoryStats(flat[:, 0], flat[:, 1].long(), flat[:, 2].long())
+        everyone = TrajectoryStats(flat[:, 0], flat[:, 1].long(), flat[:, 2].long(),
+                                   None if bool(flat[:, 3].isnan().any()) else flat[:, 3])
         out = self.filter(everyone)
         start = sum(len(g) for g in gathered[:rank])
         return out.keep[start:start + len(stats)][rows], out.metrics

@@ -1,4 +1,5 @@
-"""Trajectory filters (entry-point group ``ragen_pl.filters``): StarPO-S's variance-based group selection.
+"""Trajectory filters (entry-point group ``ragen_pl.filters``): StarPO-S's variance-based group selection, and
+RAGEN-2's SNR-adaptive family (:class:`SNR`).
 
 A filter looks at groups (trajectories that share an initial state) and keeps whole groups. Each returns a (B,)
 bool mask of kept trajectories plus diagnostics: the kept fraction of groups and the mean in-group reward std before
@@ -21,6 +22,7 @@ from ragen_pl.ops import group_stats
 from ragen_pl.types import TrajectoryBatch, TrajectoryStats
 
 __all__ = [
+    "SNR",
     "AdaptiveVariance",
     "DropZeroVariance",
     "Filter",
@@ -101,7 +103,16 @@ def select_groups(stat: Tensor, mode: KeepMode, value: float, reverse: bool = Fa
 
 
 class Filter(ABC):
-    """Base class of trajectory filters (entry-point group ``ragen_pl.filters``)."""
+    """Base class of trajectory filters (entry-point group ``ragen_pl.filters``).
+
+    ``loss_scale(kept_frac)`` is what the data module multiplies the kept trajectories' advantages by (1: none);
+    ``empty_stop_steps`` ends training after that many iterations in a row kept nothing (None: never).
+    """
+
+    empty_stop_steps: int | None = None
+
+    def loss_scale(self, kept_frac: float) -> float:
+        return 1.0
 
     def __call__(self, batch: TrajectoryBatch | TrajectoryStats) -> FilterResult:
         """Select groups. ``keep`` is over the batch's rows, or over the entries of :class:`TrajectoryStats` (pass
@@ -224,3 +235,152 @@ class AdaptiveVariance(Filter):
     def select(self, batch: TrajectoryStats) -> Tensor:
         std = group_metric(batch, "reward_std")
         return select_groups(std, "top_p", self.kept_share(std))
+
+
+GroupScore = Literal["reward_variance", "reward", "reward_sum", "entropy", "entropy_variance", "length"]
+
+
+def group_scores(stats: TrajectoryStats, metric: GroupScore) -> Tensor:
+    """(G,) RAGEN-2's per-group score, groups in ascending id order: ``reward_variance`` is the in-group reward std
+    (RAGEN-2's name, its value), ``reward`` / ``reward_sum`` the in-group mean / sum of rewards, ``entropy`` the
+    in-group mean of each trajectory's mean token entropy and ``entropy_variance`` its in-group std, ``length`` the
+    in-group mean of sampled tokens."""
+    _, inverse = _group_index(stats.group_ids)
+    G = int(inverse.max()) + 1
+
+    def per_group(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # (G,) sum, mean, unbiased std
+        x = x.double()
+        count = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(x))
+        total = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, x)
+        mean = total / count
+        sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+        return total, mean, (sq / (count - 1).clamp(min=1)).sqrt()
+
+    if metric in ("entropy", "entropy_variance"):
+        if stats.entropy is None:
+            raise ValueError(f"`metric: {metric}` needs the rollout's log-probs (the engine reports them)")
+        _, mean, std = per_group(stats.entropy)
+        return mean if metric == "entropy" else std
+    if metric == "length":
+        return per_group(stats.lengths)[1]
+    total, mean, std = per_group(stats.scores)
+    return {"reward_variance": std, "reward": mean, "reward_sum": total}[metric]
+
+
+def snr_select(scores: Tensor, strategy: str, value: float, keep: str = "largest", include_zero: bool = True,
+               top_p_mode: str = "linear", selection_eps: float = 0.01) -> Tensor:
+    """(G,) bool mask of the groups RAGEN-2's rollout filter keeps, given their (G,) ``scores``.
+
+    Candidates: every group, or (``include_zero=False``) those whose score is not 0. Then ``top_p``: ``value >= 1``
+    keeps every candidate; ``linear`` takes candidates in score order (largest or smallest first) until their summed
+    score reaches ``value * sum - selection_eps`` (stopping at a score <= 0) and keeps none if it never does;
+    ``softmax`` keeps the fewest whose softmax mass (of the scores, negated for ``smallest``) reaches ``value``.
+    ``top_k``: the best ``int(value * G)`` (at least 1); ``top_k_abs``: the best ``int(value)``; ``min_p``: scores
+    >= ``value`` x the best (``smallest``: <= the least / ``value``). Ties go to the lower group id.
+    """
+    G = scores.numel()
+    scores = scores.double()
+    index = torch.arange(G)
+    if not include_zero:
+        index = index[scores.abs() > 1e-10]
+    cand = scores[index]
+    keep_mask = torch.zeros(G, dtype=torch.bool)
+    if index.numel() == 0:
+        return keep_mask
+    order = torch.sort(-cand if keep == "largest" else cand, stable=True).indices  # best first
+    if strategy == "top_p":
+        if value >= 1.0:
+            chosen = index
+        elif top_p_mode == "softmax":
+            probs = torch.softmax(cand if keep == "largest" else -cand, 0)
+            sorted_probs, by_prob = torch.sort(probs, descending=True, stable=True)
+            k = min(int(torch.searchsorted(torch.cumsum(sorted_probs, 0), torch.tensor(value, dtype=torch.float64))) + 1,
+                    index.numel())
+            chosen = index[by_prob[:k]]
+        else:
+            threshold = value * float(cand.sum()) - selection_eps
+            total, count = 0.0, 0
+            for score in cand[order].tolist():
+                if total >= threshold or score <= 0:
+                    break
+                total, count = total + score, count + 1
+            chosen = index[order[:count]] if total >= threshold else index[:0]
+    elif strategy in ("top_k", "top_k_abs"):
+        k = int(value * G) if strategy == "top_k" else int(value)
+        chosen = index[order[:max(min(k, index.numel()), 1)]]
+    elif strategy == "min_p":
+        if keep == "largest":
+            chosen = index[cand >= float(cand.max()) * value - 1e-10]
+        else:
+            chosen = index[cand <= float(cand.min()) / (value + 1e-10) + 1e-10]
+    else:
+        raise ValueError(f"`strategy` must be one of top_p, top_k, top_k_abs, min_p, got {strategy!r}")
+    keep_mask[chosen] = True
+    return keep_mask
+
+
+class SNR(Filter):
+    """RAGEN-2's SNR-adaptive rollout filter: rank groups by a score (reward std by default) and keep them by one of
+    four rules (see :func:`snr_select`); RAGEN-2 recommends ``top_p`` 0.9, ``linear``, ``include_zero: false``.
+
+    Its ``loss_scaling`` multiplies the kept trajectories' advantages by the kept share of groups (``linear``) or
+    its square root (``sqrt``), as RAGEN-2 does after computing advantages. An iteration whose filter keeps nothing
+    is skipped (no update); ``empty_stop_steps`` of those in a row end training.
+    """
+
+    def __init__(
+        self,
+        strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = "top_p",
+        value: float = 1.0,
+        metric: GroupScore = "reward_variance",
+        keep: Literal["largest", "smallest"] = "largest",
+        include_zero: bool = True,
+        top_p_mode: Literal["linear", "softmax"] = "linear",
+        selection_eps: float = 0.01,
+        loss_scaling: Literal["none", "linear", "sqrt"] = "none",
+        empty_stop_steps: int | None = 5,
+    ) -> None:
+        """
+        Args:
+            strategy: ``top_p`` (score or softmax mass), ``top_k`` (a share of groups), ``top_k_abs`` (a count) or
+                ``min_p`` (a share of the best score).
+            value: the strategy's parameter: the mass share, group share, count or score share.
+            metric: the per-group score ranked.
+            keep: keep the ``largest`` scores or the ``smallest``.
+            include_zero: whether groups whose score is 0 are candidates.
+            top_p_mode: ``top_p``'s rule: ``linear`` score sums or ``softmax`` mass.
+            selection_eps: subtracted from ``linear`` top-p's threshold.
+            loss_scaling: scale advantages by the kept share (``linear``), its square root, or not.
+            empty_stop_steps: stop training after this many iterations in a row that kept nothing (null: never).
+        """
+        from ragen_pl.config import check_choice
+
+        check_choice("--data.filter.strategy", strategy, ("top_p", "top_k", "top_k_abs", "min_p"))
+        check_choice("--data.filter.metric", metric, GroupScore)
+        check_choice("--data.filter.keep", keep, ("largest", "smallest"))
+        check_choice("--data.filter.top_p_mode", top_p_mode, ("linear", "softmax"))
+        check_choice("--data.filter.loss_scaling", loss_scaling, ("none", "linear", "sqrt"))
+        if strategy == "top_k_abs":
+            if value < 1 or value != int(value):
+                raise ValueError(f"`--data.filter.value` must be a whole number >= 1 for top_k_abs, got {value}")
+        elif not 0 < value <= (1e9 if strategy == "top_p" else 1):
+            raise ValueError(f"`--data.filter.value` must be in (0, 1] for {strategy}, got {value}")
+        if selection_eps < 0:
+            raise ValueError(f"`--data.filter.selection_eps` must be >= 0, got {selection_eps}")
+        if empty_stop_steps is not None and empty_stop_steps < 1:
+            raise ValueError(f"`--data.filter.empty_stop_steps` must be >= 1 or null, got {empty_stop_steps}")
+        self.strategy, self.value, self.metric, self.keep = strategy, value, metric, keep
+        self.include_zero, self.top_p_mode, self.selection_eps = include_zero, top_p_mode, selection_eps
+        self.loss_scaling, self.empty_stop_steps = loss_scaling, empty_stop_steps
+
+    def select(self, batch: TrajectoryStats) -> Tensor:
+        return snr_select(group_scores(batch, self.metric), self.strategy, self.value, self.keep, self.include_zero,
+                          self.top_p_mode, self.selection_eps)
+
+    def loss_scale(self, kept_frac: float) -> float:
+        if self.loss_scaling == "linear":
+            return kept_frac
+        if self.loss_scaling == "sqrt":
+            return math.sqrt(kept_frac)
+        return 1.0
+

@@ -20,9 +20,11 @@ from ragen_pl.ops import masked_mean
 from ragen_pl.types import KLEstimator, LossAgg
 
 __all__ = [
+    "GSPO",
     "PPOClip",
     "PolicyLoss",
     "aggregate",
+    "gspo",
     "kl_penalty",
     "policy_loss",
     "ppo_clip",
@@ -33,12 +35,14 @@ __all__ = [
 LOG_RATIO_CLAMP = 20.0
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg = "token-mean") -> Tensor:
+def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg = "token-mean", norm: float = 1.0) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar over the tokens in ``mask``.
 
-    ``token-mean``: mean over all valid tokens of the batch (long answers weigh more).
-    ``seq-mean-token-sum``: sum over each sequence's tokens, mean over sequences (Dr. GRPO).
-    ``seq-mean-token-mean``: mean inside each sequence, then mean over sequences (GRPO's original).
+    ``token-mean``: mean over all valid tokens of the batch (long answers weigh more; DAPO).
+    ``seq-mean-token-sum``: sum over each sequence's tokens, mean over sequences.
+    ``seq-mean-token-sum-norm``: the same divided by the constant ``norm`` (Dr. GRPO: the generation budget, so no
+    sequence's length rescales its tokens and the loss keeps a sane scale).
+    ``seq-mean-token-mean``: mean inside each sequence, then mean over sequences (GRPO's original, GSPO).
     Sequences without a valid token are left out of the sequence means.
     """
     check_choice("loss_agg", mode, LossAgg)
@@ -50,6 +54,8 @@ def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg = "token-mean") -> Tenso
     per_seq = loss.sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / m.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / norm
     return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
@@ -103,10 +109,11 @@ def policy_loss(
     clip_high: float = 0.28,
     dual_clip: float | None = None,
     agg: LossAgg = "token-mean",
+    norm: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_clip` reduced to a scalar by :func:`aggregate`."""
     loss, metrics = ppo_clip(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip)
-    return aggregate(loss, mask, agg), metrics
+    return aggregate(loss, mask, agg, norm), metrics
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLEstimator = "k3") -> Tensor:
@@ -133,6 +140,7 @@ def value_loss(
     mask: Tensor,
     clip: float | None = 0.5,
     agg: LossAgg = "token-mean",
+    norm: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped critic loss: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``.
 
@@ -147,7 +155,7 @@ def value_loss(
         clipped = (v_clipped - returns) ** 2
         loss = 0.5 * torch.maximum(unclipped, clipped)
         clipped_frac = masked_mean((clipped > unclipped).float(), mask).detach()
-    return aggregate(loss, mask, agg), {"loss/vf_clipfrac": clipped_frac}
+    return aggregate(loss, mask, agg, norm), {"loss/vf_clipfrac": clipped_frac}
 
 
 class PolicyLoss(ABC):
@@ -173,4 +181,65 @@ class PPOClip(PolicyLoss):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, ppo: PPOConfig
                  ) -> tuple[Tensor, dict[str, Tensor]]:
         return policy_loss(logprobs, old_logprobs, advantages, mask, ppo.clip_low, ppo.clip_high, ppo.dual_clip,
-                           ppo.loss_agg)
+                           ppo.loss_agg, ppo.loss_agg_norm)
+
+
+def gspo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO's clipped objective with a sequence-level ratio (Zheng et al. 2025, the GSPO-token form).
+
+    Each sequence's ratio is the geometric mean of its tokens' ratios, ``s_i = exp(mean_t log(p / p_old))``. Token
+    t uses ``s_it = sg(s_i) * p_t / sg(p_t)``: its value is ``s_i`` and its gradient that of ``s_i`` spread over the
+    sequence's tokens, so with one advantage per sequence the gradient is GSPO's, and token-level advantages (GAE)
+    also work. Per token ``max(-A s_it, -A clip(s_it, 1 - clip_low, 1 + clip_high))``, averaged inside each sequence
+    and then over sequences (GSPO's length normalisation).
+
+    Returns:
+        The loss and diagnostics: ``loss/clipfrac_high`` and ``loss/clipfrac_low`` (shares of *sequences* whose
+        ratio the clip cut off, for their advantage's sign), ``loss/seq_ratio_mean`` and ``loss/approx_kl``.
+    """
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    count = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = log_ratio.sum(-1) / count  # (B,)
+    token_log_ratio = seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach()
+    ratio = torch.exp(token_log_ratio)
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    with torch.no_grad():
+        seq_ratio = seq_log_ratio.exp()
+        has = mask.any(-1)
+        seq_adv = torch.where(mask, advantages, 0.0).sum(-1) / count
+        high = ((seq_adv > 0) & (seq_ratio > 1 + clip_high) & has).double().sum() / has.sum().clamp(min=1)
+        low = ((seq_adv < 0) & (seq_ratio < 1 - clip_low) & has).double().sum() / has.sum().clamp(min=1)
+        metrics = {"loss/clipfrac_high": high.float(), "loss/clipfrac_low": low.float(),
+                   "loss/seq_ratio_mean": seq_ratio[has].mean() if bool(has.any()) else seq_ratio.new_ones(()),
+                   "loss/approx_kl": masked_mean(log_ratio.exp() - 1 - log_ratio, mask)}
+    return aggregate(loss, mask, "seq-mean-token-mean"), metrics
+
+
+class GSPO(PolicyLoss):
+    """GSPO: PPO's clip on a sequence-level ratio (the geometric mean of the token ratios), with its own, much
+    smaller clip range (the paper's 3e-4 / 4e-4), each sequence's tokens averaged (``seq-mean-token-mean``)."""
+
+    def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4) -> None:
+        """
+        Args:
+            clip_low: clip of the sequence ratio below 1.
+            clip_high: clip of the sequence ratio above 1.
+        """
+        if not 0 <= clip_low < 1 or clip_high < 0:
+            raise ValueError(f"`--model.policy_loss.clip_low` must be in [0, 1) and `clip_high` >= 0, got "
+                             f"{clip_low}, {clip_high}")
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, ppo: PPOConfig
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+        return gspo(logprobs, old_logprobs, advantages, mask, self.clip_low, self.clip_high)
+
+    def aggregation(self, ppo: PPOConfig) -> LossAgg:
+        return "seq-mean-token-mean"

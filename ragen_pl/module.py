@@ -199,9 +199,14 @@ class RagenModule(pl.LightningModule):
         fresh = batch.advantages is None
         if fresh and self.collapse is not None and self.trainer.global_step % self.collapse.every_n_steps == 0:
             # The sampling policy's view of this rollout, before the update changes it.
-            metrics.update(collapse_metrics(self.policy, self.tokenizer, rollout.result.batch, self.collapse,
-                                            self.collapse_generator))
+            self.log_sporadic(collapse_metrics(self.policy, self.tokenizer, rollout.result.batch, self.collapse,
+                                               self.collapse_generator))
         t0 = time.perf_counter()
+        if rollout.empty:  # the filter kept nothing: no update this iteration (and no weight change)
+            metrics["train/optimizer_steps"] = torch.tensor(0.0)
+            self.log_dict(mean_over_ranks(metrics, {}, default_weight=1.0), on_step=True, batch_size=len(batch))
+            self._advance_global_step()
+            return
         if fresh:
             metrics.update(self.prepare(batch))
         # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
@@ -220,8 +225,24 @@ class RagenModule(pl.LightningModule):
         tags = Counter(ep.env.tag for ep in rollout.result.episodes) if rollout.result is not None else Counter()
         weights = {k: tags[tag] for k in metrics if k.count("/") >= 2 and (tag := k.split("/")[1]) in tags}
         self.log_dict(mean_over_ranks(metrics, weights, default_weight=1.0), on_step=True, batch_size=len(batch))
-        # One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
-        # exactly one per iteration (see the module docstring).
+        self._advance_global_step()
+
+    def log_sporadic(self, metrics: dict[str, float | Tensor]) -> None:
+        """Log metrics that are not computed at every step straight to the loggers, at this step.
+
+        Lightning's ``log_dict`` keeps each key's last value for the whole epoch and writes it again at every later
+        step (a rollout stream is one epoch), so a metric logged every N steps would show stale copies in between.
+        Every rank must call this at the same steps (the values are averaged over ranks).
+        """
+        values = mean_over_ranks(metrics, {}, default_weight=1.0)
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        if self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(values, step=self.trainer.global_step)
+
+    def _advance_global_step(self) -> None:
+        """One no-op Lightning optimiser step: grads are None, so AdamW changes nothing, and global_step advances by
+        exactly one per iteration (see the module docstring)."""
         opts = self._optimizers()
         for opt in opts:
             opt.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Scores", "entropy_from_logits", "forward_shared", "logprobs_from_logits", "score", "scored_logits",
-           "shared_prefix_length", "shift_values", "can_share"]
+           "restrict_to_kept", "shared_prefix_length", "shift_values", "can_share"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
@@ -104,10 +104,25 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     out = []
     for chunk in flat.split(chunk_size):
         z = chunk.float()
-        out.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+        p = torch.softmax(z, -1)
+        out.append(torch.logsumexp(z, -1) - torch.where(p > 0, p * z, 0.0).sum(-1))  # -inf logits (a kept set) add 0
     if not out:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
     return torch.cat(out).reshape(logits.shape[:-1])
+
+
+def restrict_to_kept(logits: Tensor, kept: Tensor) -> Tensor:
+    """(N, V) ``logits`` with every id outside each row's kept set (``kept`` (N, K), -1 padded) at -inf: the
+    distribution a top-k / top-p sampler drew from. Rows without a kept set (all -1) stay whole."""
+    has = (kept >= 0).any(-1)
+    if not bool(has.any()):
+        return logits
+    # Padding points at the row's first kept id (a duplicate write of True): writing False for it instead could land
+    # after a real id's True when that id is 0.
+    index = torch.where(kept >= 0, kept, kept[:, :1]).clamp(min=0).long()
+    allowed = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, index, True)
+    allowed[~has] = True
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def shift_values(v: Tensor) -> Tensor:
@@ -133,14 +148,18 @@ def _spread(target: Tensor, values: Tensor) -> Tensor:
 
 
 def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float = 1.0,
-          entropy: bool = False, hidden: bool = False, share_prefix: bool = False) -> Scores:
+          entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None
+          ) -> Scores:
     """Log-probs of ``ids`` at the positions of ``mask`` under ``model`` at ``temperature``; optionally the entropy
-    there and the last hidden states (zeros on a shared prefix, where nothing is scored). No (B, T, V) tensor is
-    built."""
+    there and the last hidden states (zeros on a shared prefix, where nothing is scored). With ``kept`` (B, T, K),
+    each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p sampling). No
+    (B, T, V) tensor is built."""
     kwargs = {"output_hidden_states": hidden} if hidden else {}
     out, logits, labels = scored_logits(model, ids, attn, mask, share_prefix=share_prefix, **kwargs)
     logits = logits / temperature  # (N, V)
     target = mask[:, 1:]
+    if kept is not None:
+        logits = restrict_to_kept(logits.float(), kept[:, 1:][target])
     states = None
     if hidden:
         states = out.hidden_states[-1]

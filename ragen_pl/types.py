@@ -16,7 +16,7 @@ from torch import Tensor
 
 RewardGrouping = Literal["state", "tag", "batch"]
 RewardMethod = Literal["identity", "mean_std", "mean_std_clip"]
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
@@ -31,7 +31,8 @@ class TrajectoryStats:
     lengths: Tensor
     """(B,) sampled tokens per trajectory."""
     entropy: Tensor | None = None
-    """(B,) mean of ``-old_logprobs`` over sampled tokens (a Monte-Carlo token-entropy estimate), if known."""
+    """(B,) mean of ``-log p`` over sampled tokens (a Monte-Carlo token-entropy estimate): the trainer's old
+    log-probs once scored, else the rollout engine's; None if neither is known."""
 
     def __len__(self) -> int:
         return self.scores.shape[0]
@@ -59,7 +60,12 @@ class TrajectoryBatch:
             every row is a whole trajectory.
         rollout_logprobs: (B, T) float or None. The rollout engine's log-prob of each sampled token under the
             distribution it sampled from (0 elsewhere): the sampler's view of ``old_logprobs``.
+        sampling_masks: (B, T, K) int or None. When sampling truncated the distribution (top-k, top-p): the
+            vocabulary ids each sampled token was drawn from, -1 padded (all -1 where unknown: scored over the whole
+            vocabulary).
         temperature: the sampling temperature of the rollout; the update scores log-probs at it.
+        loss_scale: what the advantages are multiplied by once computed (a filter's kept share: RAGEN-2's loss
+            scaling); 1 leaves them as they are.
     """
 
     input_ids: Tensor
@@ -76,7 +82,9 @@ class TrajectoryBatch:
     returns: Tensor | None = None
     traj_ids: Tensor | None = None
     rollout_logprobs: Tensor | None = None
+    sampling_masks: Tensor | None = None
     temperature: float = 1.0
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         B, T = self.input_ids.shape
@@ -89,9 +97,15 @@ class TrajectoryBatch:
                 if len(value) != B:
                     raise ValueError(f"`env_tags` must have {B} entries, got {len(value)}")
                 self.env_tags = tuple(value)
+            elif f.name == "loss_scale":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                    raise ValueError(f"`loss_scale` must be a number in [0, 1], got {value!r}")
             elif f.name == "temperature":
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                     raise ValueError(f"`temperature` must be a number > 0, got {value!r}")
+            elif f.name == "sampling_masks":
+                if value is not None and (value.dim() != 3 or value.shape[:2] != (B, T)):
+                    raise ValueError(f"`sampling_masks` must have shape ({B}, {T}, K), got {tuple(value.shape)}")
             elif isinstance(value, Tensor) and value.shape != (B, T):
                 raise ValueError(f"`{f.name}` must have shape ({B}, {T}), got {tuple(value.shape)}")
         if self.loss_mask.dtype != torch.bool or self.attention_mask.dtype != torch.bool:
@@ -148,8 +162,9 @@ class TrajectoryBatch:
 
         lengths = per_traj(self.response_lengths)
         entropy = None
-        if self.old_logprobs is not None:
-            entropy = per_traj(torch.where(self.loss_mask, -self.old_logprobs, 0.0).sum(-1)) / lengths.clamp(min=1)
+        logprobs = self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+        if logprobs is not None:
+            entropy = per_traj(torch.where(self.loss_mask, -logprobs, 0.0).sum(-1)) / lengths.clamp(min=1)
         return TrajectoryStats(self.scores[first], self.group_ids[first], lengths, entropy)
 
     def stitch(self, x: Tensor) -> Tensor:
@@ -183,7 +198,7 @@ class TrajectoryBatch:
             for f in fields(self)
         }
         picked["env_tags"] = tuple(self.env_tags[i] for i in index.tolist())
-        picked["temperature"] = self.temperature
+        picked["temperature"], picked["loss_scale"] = self.temperature, self.loss_scale
         return TrajectoryBatch(**picked)
 
     @staticmethod
@@ -198,7 +213,7 @@ class TrajectoryBatch:
             a, b = getattr(first, f.name), getattr(second, f.name)
             joined[f.name] = torch.cat([a, b]) if isinstance(a, Tensor) and isinstance(b, Tensor) else None
         return TrajectoryBatch(**{**joined, "env_tags": first.env_tags + second.env_tags,
-                                  "temperature": first.temperature})
+                                  "temperature": first.temperature, "loss_scale": first.loss_scale})
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

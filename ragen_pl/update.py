@@ -13,6 +13,7 @@ advantages) -> :meth:`StarPOUpdate.step` (mini-batches, micro-batches, clipping,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ from ragen_pl.scoring import score
 from ragen_pl.types import TrajectoryBatch
 
 __all__ = ["MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
-           "mismatch_metrics"]
+           "mismatch_metrics", "off_policy_correction"]
 
 
 class MicroLoss(NamedTuple):
@@ -99,7 +100,7 @@ class StarPOUpdate:
             ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
             if score_policy:
                 s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
-                          share_prefix=self.ppo.share_prefix)
+                          share_prefix=self.ppo.share_prefix, kept=self._kept(part, T))
                 fill("old_logprobs", idx, s.logprobs)
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
@@ -117,6 +118,8 @@ class StarPOUpdate:
             batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
             metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
         batch.advantages, batch.returns = self.advantage(batch)
+        if batch.loss_scale != 1.0:  # a filter's kept share (RAGEN-2's loss scaling), applied as RAGEN-2 does
+            batch.advantages = batch.advantages * batch.loss_scale
         metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)
         metrics["adv/abs_mean"] = masked_mean(batch.advantages.abs(), batch.loss_mask)
         if batch.values is not None:
@@ -137,6 +140,12 @@ class StarPOUpdate:
         rewards[last_row, _last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
         batch.rewards = torch.where(batch.loss_mask, rewards, 0.0)
 
+    def _kept(self, part: TrajectoryBatch, T: int) -> Tensor | None:
+        """The sampler's kept sets of ``part`` (cut to T), when replayed."""
+        if not self.ppo.replay_sampling_mask or part.sampling_masks is None:
+            return None
+        return part.sampling_masks[:, :T]
+
     # -------------------------------------------------------------------------------------------- update
     def loss_denominator(self, mask: Tensor) -> Tensor:
         """The denominator of the loss aggregation, over a whole mini-batch."""
@@ -151,24 +160,29 @@ class StarPOUpdate:
         ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
         scale = self.loss_denominator(mask) / mini_count
         s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
-                  share_prefix=p.share_prefix)
+                  share_prefix=p.share_prefix, kept=self._kept(part, T))
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
-        pg, metrics = self.policy_loss(s.logprobs, old, part.advantages[:, :T], mask, p)
+        advantages, off_metrics = off_policy_correction(
+            part.advantages[:, :T], mask, old, None if part.rollout_logprobs is None else part.rollout_logprobs[:, :T],
+            p.tis_cap, p.mis_bound)
+        pg, metrics = self.policy_loss(s.logprobs, old, advantages, mask, p)
+        metrics.update(off_metrics)
         assert s.entropy is not None
-        ent = aggregate(s.entropy, mask, p.loss_agg)
+        norm = p.loss_agg_norm or 1.0
+        ent = aggregate(s.entropy, mask, p.loss_agg, norm)
         actor = pg - p.entropy_coeff * ent
         metrics["loss/policy"] = pg.detach()
         metrics["loss/entropy"] = ent.detach()
         if p.kl_coeff > 0 and p.kl_mode == "loss":
-            kl = aggregate(kl_penalty(s.logprobs, part.ref_logprobs[:, :T], p.kl_estimator), mask, p.loss_agg)
+            kl = aggregate(kl_penalty(s.logprobs, part.ref_logprobs[:, :T], p.kl_estimator), mask, p.loss_agg, norm)
             actor = actor + p.kl_coeff * kl
             metrics["loss/kl"] = kl.detach()
         critic = None
         if models.has_critic:
             values = (models.critic_values(ids, attn, mask, p.share_prefix) if models.critic is not None
                       else models.shared_values(s.hidden))
-            vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg)
+            vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg, norm)
             metrics.update(vm)
             metrics["loss/value"] = vf.detach()
             if models.critic is None:
@@ -238,6 +252,41 @@ class StarPOUpdate:
         if "shuffle" in state:
             self.shuffle.set_state(state["shuffle"])
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+# ------------------------------------------------------------------------------------ off-policy correction
+def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor | None,
+                          tis_cap: float | None, mis_bound: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Correct the policy gradient for tokens sampled by an engine whose log-probs differ from the trainer's
+    (``d = old_logprobs - rollout_logprobs``, the log of ``p_old / p_sampler``).
+
+    Truncated importance sampling (``tis_cap``): each token's advantage is multiplied by ``min(exp(d), tis_cap)``,
+    detached; a positive weight scales PPO's clipped term exactly as it scales the advantage. Masking
+    (``mis_bound``): trajectories whose ``exp(mean_t d)`` is outside ``[1/mis_bound, mis_bound]`` get weight 0 (their
+    tokens stay in the loss's denominator, as verl's rollout correction keeps them).
+
+    Returns:
+        The weighted advantages and metrics (``offpolicy/tis_clipped_frac``: tokens whose ratio the cap cut;
+        ``offpolicy/tis_weight_mean``; ``offpolicy/masked_frac``: trajectories masked).
+    """
+    if tis_cap is None and mis_bound is None:
+        return advantages, {}
+    if rollout_logprobs is None:
+        raise ValueError("`--model.ppo.tis_cap` / `mis_bound` need the rollout engine's log-probs in the batch")
+    d = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).clamp(-20.0, 20.0).detach()
+    metrics: dict[str, Tensor] = {}
+    if tis_cap is not None:
+        ratio = d.exp()
+        advantages = advantages * ratio.clamp(max=tis_cap)
+        metrics["offpolicy/tis_clipped_frac"] = masked_mean((ratio > tis_cap).float(), mask)
+        metrics["offpolicy/tis_weight_mean"] = masked_mean(ratio.clamp(max=tis_cap), mask)
+    if mis_bound is not None:
+        has = mask.any(-1)
+        seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # mean log-ratio per trajectory
+        out = (seq.abs() > math.log(mis_bound)) & has
+        advantages = torch.where(out[:, None], 0.0, advantages)
+        metrics["offpolicy/masked_frac"] = out.float().sum() / has.sum().clamp(min=1)
+    return advantages, metrics
 
 
 # ------------------------------------------------------------------------------------------ diagnostics

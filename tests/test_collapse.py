@@ -133,3 +133,32 @@ def test_collapse_settings_are_checked():
         CollapseConfig(samples=1)
     with pytest.raises(ValueError, match=r"`--model.collapse.turns` must be one of first, trajectory, got 'all'"):
         CollapseConfig(turns="all")
+
+
+def test_metrics_computed_every_n_steps_are_logged_at_those_steps_only(tiny_model_path, tmp_path):
+    """Lightning's log_dict writes a key's last value again at every later step of the epoch; collapse metrics go
+    straight to the loggers, so the CSV has them at steps 0 and 2 of 3, not stale copies at step 1."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ragen_pl.advantages import GRPO
+    from ragen_pl.config import OptimConfig, PPOConfig, RolloutConfig
+    from ragen_pl.data import RolloutDataModule
+    from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.filters import NoFilter
+    from ragen_pl.module import RagenModule
+
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(), ppo=PPOConfig(mini_batch_size=8, micro_batch_size=4),
+                         optim=OptimConfig(actor_lr=1e-3), collapse=CollapseConfig(samples=4, every_n_steps=2))
+    dm = RolloutDataModule(Sokoban(), n_groups=4, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+    logger = CSVLogger(tmp_path, name="run")
+    pl.Trainer(max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, limit_val_batches=0, accelerator="cpu").fit(module, dm)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    steps = sorted(int(r["step"]) for r in rows if r.get("collapse/mi"))
+    assert steps == [0, 2]
+    assert sorted({int(r["step"]) for r in rows if r.get("loss/policy")}) == [0, 1, 2]

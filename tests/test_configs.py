@@ -91,8 +91,9 @@ def test_help_lists_subcommands_and_known_subclasses():
                          env={**os.environ, "COLUMNS": "200"}).stdout
     flat = " ".join(out.split())
     assert "known subclasses: ragen_pl.advantages.GAE, ragen_pl.advantages.BiLevelGAE, ragen_pl.advantages.GRPO, " \
-           "ragen_pl.advantages.RLOO, ragen_pl.advantages.ReinforcePP" in flat
+           "ragen_pl.advantages.DrGRPO, ragen_pl.advantages.RLOO, ragen_pl.advantages.ReinforcePP" in flat
     assert "ragen_pl.filters.VarianceTopP" in flat and "ragen_pl.envs.sokoban.Sokoban" in flat
+    assert "ragen_pl.filters.SNR" in flat and "ragen_pl.losses.GSPO" in flat
     ppo = subprocess.run([sys.executable, "-m", "ragen_pl.cli", "fit", "--model.ppo.help"], capture_output=True,
                          text=True, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "Passes over each rollout batch. (type: int, default: 1)" in ppo  # field docstrings become --help

@@ -14,7 +14,7 @@ import torch
 
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.envs.bandit import Bandit
-from ragen_pl.filters import VarianceTopP
+from ragen_pl.filters import SNR, VarianceTopP
 from tests.helpers import make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,35 +26,51 @@ def _rank_batch(scores, first_group, group_size):
                       group_ids=[first_group + i // group_size for i in range(n)])
 
 
-def test_filter_ranks_all_groups_across_ranks(monkeypatch):
+FILTERS = {
+    "variance_top_p": VarianceTopP(top_p=0.25),
+    "snr_top_p_linear": SNR(strategy="top_p", value=0.5, include_zero=False),
+    "snr_top_p_softmax": SNR(strategy="top_p", value=0.3, top_p_mode="softmax"),
+    "snr_top_k": SNR(strategy="top_k", value=0.25),
+    "snr_top_k_abs": SNR(strategy="top_k_abs", value=2),
+    "snr_min_p": SNR(strategy="min_p", value=0.5),
+    "snr_entropy": SNR(strategy="top_k", value=0.25, metric="entropy"),
+}
+
+
+@pytest.mark.parametrize("name", list(FILTERS))
+def test_filter_ranks_all_groups_across_ranks(monkeypatch, name):
     """Two simulated ranks: the kept trajectories equal a single-process filter over the union. Rank 0 holds both
-    top groups, so a filter that ranked each rank's groups on its own (keeping 1 of 4 on each) would differ."""
+    top groups, so a filter that ranked each rank's groups on its own (keeping some on rank 1) would differ."""
     import ragen_pl.data as data_py
 
-    group_size = 2
+    group_size, filt = 2, FILTERS[name]
     per_rank = [[0, 4, 5, 0, 0, 1, 9, 0], [1, 1, 0, 1, 2, 2, 0, 0]]  # 4 groups per rank
-    batches = [_rank_batch(s, 4 * r, group_size) for r, s in enumerate(per_rank)]
+    entropy = [[3, 3, 0.1, 0.1, 0.2, 0.2, 4, 4], [1, 1, 0.5, 0.5, 0.2, 0.2, 0.3, 0.3]]  # rank 0: top 2 again
+    batches = []
+    for r, (s, e) in enumerate(zip(per_rank, entropy)):
+        b = _rank_batch(s, 4 * r, group_size)
+        b.rollout_logprobs = torch.tensor([[0.0, -x] for x in e])  # one sampled token: its entropy estimate is x
+        batches.append(b)
     gathered = []
     for b in batches:  # what each rank contributes to the gather (see RolloutDataModule._filter)
         st = b.stats()
-        gathered.append(torch.stack([st.scores.double(), st.group_ids.double(), st.lengths.double()], dim=1))
+        gathered.append(torch.stack([st.scores.double(), st.group_ids.double(), st.lengths.double(),
+                                     st.entropy.double()], dim=1))
     monkeypatch.setattr(data_py, "gather_rows", lambda mine, device: gathered)
     monkeypatch.setattr(RolloutDataModule, "world", property(lambda self: (self.trainer.global_rank, 2)))
     keeps = []
     for rank in range(2):
-        dm = RolloutDataModule(Bandit(), n_groups=8, group_size=group_size, filter=VarianceTopP(top_p=0.25))
+        dm = RolloutDataModule(Bandit(), n_groups=8, group_size=group_size, filter=filt)
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2,
                                      strategy=SimpleNamespace(root_device=torch.device("cpu")))
         keep, metrics = dm._filter(batches[rank])
         keeps.append(keep)
     union = _rank_batch(per_rank[0] + per_rank[1], 0, group_size)
-    expected = VarianceTopP(top_p=0.25)(union).keep  # 2 of 8 groups: std 6.36 and 3.54, both on rank 0
+    union.rollout_logprobs = torch.cat([b.rollout_logprobs for b in batches])
+    expected = filt(union).keep
     assert torch.equal(torch.cat(keeps), expected)
-    assert keeps[0].tolist() == [False, False, True, True, False, False, True, True]
-    assert keeps[1].tolist() == [False] * 8
-    assert float(metrics["filter/kept_frac"]) == 0.25
-    per_rank_filter = VarianceTopP(top_p=0.25)(batches[1]).keep  # what ranking rank 1 alone would keep
-    assert per_rank_filter.any()
+    assert keeps[0].any() and not keeps[1].any()  # the kept groups are all rank 0's ...
+    assert filt(batches[1]).keep.any()  # ... where ranking rank 1 alone would keep some of its own
 
 
 SMALL = [

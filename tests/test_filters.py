@@ -115,3 +115,89 @@ def test_adaptive_variance_rule():
 def test_bad_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ------------------------------------------------------------------------ RAGEN-2's SNR-adaptive family
+from ragen_pl.filters import SNR, group_scores, snr_select  # noqa: E402
+from ragen_pl.types import TrajectoryStats  # noqa: E402
+
+SCORES = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])  # one score per group (say, in-group reward std)
+
+
+def kept(mask):
+    return mask.nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    # top_p linear: candidates .5 .2 .3 (zeros dropped), sum 1.0; threshold .9 - .01 = .89: .5, .8, 1.0 -> all three.
+    (dict(strategy="top_p", value=0.9, include_zero=False), [0, 2, 3]),
+    # threshold .5 - .01 = .49: the first, .5, reaches it.
+    (dict(strategy="top_p", value=0.5, include_zero=False), [0]),
+    # zeros as candidates change nothing here: the sum stays 1.0 and the walk stops at a score <= 0.
+    (dict(strategy="top_p", value=0.9, include_zero=True), [0, 2, 3]),
+    (dict(strategy="top_p", value=1.0, include_zero=False), [0, 2, 3]),  # value >= 1: every candidate
+    (dict(strategy="top_p", value=1.0, include_zero=True), [0, 1, 2, 3, 4]),
+    # softmax of (.5, .2, .3) = (.391, .289, .320); by mass .391 (g0), .320 (g3): cumulative .391, .711 >= .5.
+    (dict(strategy="top_p", value=0.5, top_p_mode="softmax", include_zero=False), [0, 3]),
+    # smallest first: softmax of (-.5, -.2, -.3) = (.279, .377, .344): g2 .377, g3 .344 -> .721 >= .5.
+    (dict(strategy="top_p", value=0.5, top_p_mode="softmax", keep="smallest", include_zero=False), [2, 3]),
+    (dict(strategy="top_k", value=0.4), [0, 3]),  # int(.4 * 5) = 2
+    (dict(strategy="top_k", value=0.1), [0]),  # int(.5) = 0 -> at least 1
+    (dict(strategy="top_k", value=0.4, keep="smallest"), [1, 4]),  # ties at 0: lower ids first
+    (dict(strategy="top_k_abs", value=1), [0]),
+    (dict(strategy="top_k_abs", value=9, include_zero=False), [0, 2, 3]),  # at most the candidates
+    (dict(strategy="min_p", value=0.5), [0, 3]),  # >= .5 * .5
+    (dict(strategy="min_p", value=0.5, keep="smallest", include_zero=False), [2, 3]),  # <= .2 / .5
+])
+def test_snr_select_hand_derived(kwargs, expected):
+    assert kept(snr_select(SCORES, **kwargs)) == expected
+
+
+def test_linear_top_p_keeps_nothing_when_the_threshold_is_out_of_reach():
+    # every score 0: threshold .9 * 0 - .01 < 0 is met at once with nothing taken: RAGEN-2 skips the step.
+    assert kept(snr_select(torch.zeros(4), "top_p", 0.9)) == []
+    assert kept(snr_select(torch.zeros(4), "top_k", 0.5, include_zero=False)) == []  # no candidate at all
+
+
+def test_group_scores_hand_derived():
+    # Groups 0 and 1 of three trajectories: rewards (1, 0, 0) and (2, 2, 5); lengths, entropies given.
+    stats = TrajectoryStats(scores=torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0]), group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+                            lengths=torch.tensor([3, 5, 7, 2, 2, 2]), entropy=torch.tensor([1.0, 1.0, 4.0, 0.5, 0.5, 0.5]))
+    torch.testing.assert_close(group_scores(stats, "reward_variance"),
+                               torch.tensor([(1 / 3) ** 0.5, 3 ** 0.5], dtype=torch.float64))  # unbiased std
+    torch.testing.assert_close(group_scores(stats, "reward"), torch.tensor([1 / 3, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(group_scores(stats, "reward_sum"), torch.tensor([1.0, 9.0], dtype=torch.float64))
+    torch.testing.assert_close(group_scores(stats, "entropy"), torch.tensor([2.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(group_scores(stats, "entropy_variance"), torch.tensor([3 ** 0.5, 0.0],
+                                                                                      dtype=torch.float64))
+    torch.testing.assert_close(group_scores(stats, "length"), torch.tensor([5.0, 2.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"`metric: entropy` needs the rollout's log-probs"):
+        group_scores(TrajectoryStats(stats.scores, stats.group_ids, stats.lengths), "entropy")
+
+
+def test_snr_loss_scaling_and_settings():
+    assert SNR(loss_scaling="linear").loss_scale(0.25) == 0.25
+    assert SNR(loss_scaling="sqrt").loss_scale(0.25) == 0.5
+    assert SNR().loss_scale(0.25) == 1.0
+    with pytest.raises(ValueError, match=r"`--data.filter.value` must be in \(0, 1\] for top_k, got 2"):
+        SNR(strategy="top_k", value=2)
+    with pytest.raises(ValueError, match=r"`--data.filter.value` must be a whole number >= 1 for top_k_abs, got 0.5"):
+        SNR(strategy="top_k_abs", value=0.5)
+    with pytest.raises(ValueError, match=r"`--data.filter.strategy` must be one of top_p, top_k, top_k_abs, min_p"):
+        SNR(strategy="nucleus")
+
+
+def test_loss_scaling_scales_the_advantages():
+    from ragen_pl.advantages import GRPO
+    from ragen_pl.policy import Models
+    from ragen_pl.update import StarPOUpdate
+    from tests.helpers import make_batch
+
+    def advantages(scale):
+        batch = make_batch([[0, 1, 1], [0, 1, 1]], rewards=[[0, 0, 1], [0, 0, 0]], group_ids=[0, 0],
+                           old_logprobs=[[0, -1, -1], [0, -1, -1]])
+        batch.loss_scale = scale
+        StarPOUpdate(GRPO(scale="none")).prepare(batch, Models(torch.nn.Identity()))  # nothing to score here
+        return batch.advantages
+
+    torch.testing.assert_close(advantages(0.25), 0.25 * advantages(1.0))

@@ -59,7 +59,7 @@ def test_aggregation_modes_hand_derived():
     assert_close(aggregate(loss, mask, "token-mean"), torch.tensor(10 / 4))
     assert_close(aggregate(loss, mask, "seq-mean-token-sum"), torch.tensor((6 + 4) / 2))  # empty row left out
     assert_close(aggregate(loss, mask, "seq-mean-token-mean"), torch.tensor((2 + 4) / 2))
-    with pytest.raises(ValueError, match=r"`loss_agg` must be one of token-mean, seq-mean-token-sum, seq-mean-token-mean, got 'mean'"):
+    with pytest.raises(ValueError, match=r"`loss_agg` must be one of token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm, got 'mean'"):
         aggregate(loss, mask, "mean")  # type: ignore[arg-type]
 
 
@@ -145,3 +145,58 @@ def test_loss_settings_are_checked_once_in_the_config():
         PPOConfig(dual_clip=0.5)
     with pytest.raises(ValueError, match=r"`--model.ppo.value_clip` must be > 0, got 0"):
         PPOConfig(value_clip=0)
+
+
+def test_dr_grpo_aggregation_hand_derived():
+    from ragen_pl.losses import aggregate
+
+    loss = _t([[1, 2, 3], [4, 0, 0], [9, 9, 9]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    # Dr. GRPO: each sequence's token sum over the constant budget 10, mean over the 2 sequences with tokens.
+    assert_close(aggregate(loss, mask, "seq-mean-token-sum-norm", norm=10.0), torch.tensor((6 / 10 + 4 / 10) / 2))
+
+
+def test_dr_grpo_advantage_is_the_group_centred_reward():
+    from ragen_pl.advantages import DrGRPO
+    from tests.helpers import make_batch
+
+    # Group 0 scores 1, 0, 0 (mean 1/3); group 1 scores 2, 4 (mean 3). No std scaling.
+    batch = make_batch([[0, 1, 1]] * 5, rewards=[[0, 0, 1], [0, 0, 0], [0, 0, 0], [0, 2, 0], [0, 0, 4]],
+                       group_ids=[0, 0, 0, 1, 1])
+    adv, _ = DrGRPO()(batch)
+    expected = torch.tensor([2 / 3, -1 / 3, -1 / 3, -1.0, 1.0])[:, None] * batch.loss_mask
+    assert_close(adv, expected)
+
+
+def test_gspo_hand_derived():
+    """Two sequences; old log-probs 0. Sequence 0's tokens have log-ratios (0.2, 0.4): s_0 = exp(0.3); sequence 1's
+    (-0.5): s_1 = exp(-0.5). With advantages +1 and -1 and the clip (1 - 0.1, 1 + 0.2):
+      s_0 = 1.3499 > 1.2 and A > 0: clipped at 1.2 -> loss per token -1.2 (no gradient);
+      s_1 = 0.6065 < 0.9 and A < 0: -A s = 0.6065 vs -A clip = 0.9: max is 0.9, clipped (no gradient).
+    seq-mean-token-mean: (-1.2 + 0.9) / 2."""
+    from ragen_pl.losses import GSPO, gspo
+
+    lp = torch.tensor([[0.0, 0.2, 0.4], [0.0, -0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([[0.0, 1.0, 1.0], [0.0, -1.0, 0.0]])
+    loss, m = gspo(lp, torch.zeros(2, 3), adv, mask, clip_low=0.1, clip_high=0.2)
+    assert_close(loss, torch.tensor((-1.2 + 0.9) / 2))
+    assert float(m["loss/clipfrac_high"]) == 0.5 and float(m["loss/clipfrac_low"]) == 0.5
+    loss.backward()
+    assert_close(lp.grad, torch.zeros(2, 3))  # both clipped
+    # Unclipped (wide range): loss = -mean_i A_i s_i, and d/d lp_t = -A_i s_i / |y_i| for each token of sequence i.
+    lp.grad = None
+    loss, _ = gspo(lp, torch.zeros(2, 3), adv, mask, clip_low=0.9, clip_high=9.0)
+    s0, s1 = math.exp(0.3), math.exp(-0.5)
+    assert_close(loss, torch.tensor((-s0 + s1) / 2))
+    loss.backward()
+    assert_close(lp.grad, torch.tensor([[0.0, -s0 / 2 / 2, -s0 / 2 / 2], [0.0, s1 / 2, 0.0]]))
+    assert GSPO().aggregation(PPOConfig()) == "seq-mean-token-mean"
+
+
+def test_dr_grpo_settings_go_together():
+    with pytest.raises(ValueError, match=r"`--model.ppo.loss_agg_norm` is set exactly when"):
+        PPOConfig(loss_agg="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match=r"`--model.ppo.loss_agg_norm` is set exactly when"):
+        PPOConfig(loss_agg_norm=100)
+    assert PPOConfig(loss_agg="seq-mean-token-sum-norm", loss_agg_norm=100).loss_agg_norm == 100

@@ -323,3 +323,22 @@ def test_update_is_the_same_for_any_micro_batch_size(tiny_model_path):
     for other in grads[1:]:
         for n in grads[0]:
             torch.testing.assert_close(other[n], grads[0][n], atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_an_empty_filter_skips_the_update_and_stops_after_empty_stop_steps(tiny_model_path):
+    """RAGEN-2: an iteration whose filter keeps nothing trains nothing (no optimiser step, no weight change), and
+    ``empty_stop_steps`` of them in a row end the run."""
+    from ragen_pl.filters import SNR
+
+    module, dm = make(tiny_model_path, env=Bandit())
+    dm.filter = SNR(empty_stop_steps=2)
+    dm.filter.select = lambda stats: torch.zeros(stats.group_ids.unique().numel(), dtype=torch.bool)  # keeps none
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    t = trainer(10)
+    t.fit(module, dm)
+    assert t.global_step == 2 and dm.iteration == 2  # stopped after two empty iterations, not ten
+    m = t.callback_metrics
+    assert float(m["filter/kept_frac"]) == 0.0 and float(m["train/optimizer_steps"]) == 0.0
+    assert float(m["filter/empty_in_a_row"]) == 2.0
+    for n, p in module.named_parameters():
+        assert torch.equal(p, before[n]), n

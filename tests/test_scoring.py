@@ -75,3 +75,14 @@ def test_a_gradient_checkpointed_model_never_takes_the_shared_path(tiny, share, 
     ids, attn, mask = rows_with_a_common_prompt(model.config.vocab_size)
     score(model, ids, attn, mask, share_prefix=share)
     assert called == []
+
+
+def test_restrict_to_kept_keeps_exactly_each_rows_set():
+    """Including id 0 next to -1 padding (a scatter of False at the padding's clamped index 0 once overwrote it)."""
+    from ragen_pl.scoring import restrict_to_kept
+
+    logits = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    kept = torch.tensor([[3, 0, 5, -1, -1], [-1, -1, -1, -1, -1]])
+    out = restrict_to_kept(logits, kept)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 3, 5]
+    assert torch.equal(out[1], logits[1])  # no set: the whole vocabulary

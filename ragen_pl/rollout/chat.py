@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 _SENTINEL = "\x00RAGEN_PL_SENTINEL\x00"
 
-Row = tuple[list[int], list[bool], list[int], list[float]]
-"""A training row: ids, sampled mask, turn ids (-1 off sampled ids), the engine's log-probs (0 off sampled ids)."""
+Row = tuple[list[int], list[bool], list[int], list[float], list[list[int] | None]]
+"""A training row: ids, sampled mask, turn ids (-1 off sampled ids), the engine's log-probs (0 off sampled ids), and
+the ids each sampled token was drawn from when sampling truncated the distribution (None elsewhere)."""
 
 __all__ = ["ChatTokens", "Row", "WindowChat"]
 
@@ -37,15 +38,18 @@ class ChatTokens:
         self.sampled: list[bool] = [False] * len(self.ids)
         self.turn_ids: list[int] = [-1] * len(self.ids)
         self.logprobs: list[float] = [0.0] * len(self.ids)
+        self.kept: list[list[int] | None] = [None] * len(self.ids)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def add_response(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None = None) -> None:
+    def add_response(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None = None,
+                     kept: Sequence[list[int]] | None = None) -> None:
         self.ids.extend(ids)
         self.sampled.extend([True] * len(ids))
         self.turn_ids.extend([turn] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.kept.extend(kept if kept is not None else [None] * len(ids))
         self.messages.append({"role": "assistant", "content": _SENTINEL})
 
     def user_suffix_ids(self, text: str, ended_with_eos: bool) -> list[int]:
@@ -64,6 +68,7 @@ class ChatTokens:
         self.sampled.extend([False] * len(suffix_ids))
         self.turn_ids.extend([-1] * len(suffix_ids))
         self.logprobs.extend([0.0] * len(suffix_ids))
+        self.kept.extend([None] * len(suffix_ids))
         self.messages[-1] = {"role": "assistant", "content": "..."}  # content no longer matters, only the layout
         self.messages.append({"role": "user", "content": text})
 
@@ -86,7 +91,7 @@ class ChatTokens:
 
     def rows(self) -> list[Row]:
         """The training rows. One row: the whole conversation."""
-        return [(self.ids, self.sampled, self.turn_ids, self.logprobs)]
+        return [(self.ids, self.sampled, self.turn_ids, self.logprobs, self.kept)]
 
 
 class WindowChat:
@@ -122,11 +127,13 @@ class WindowChat:
             self._prompt = self._render(self.history, self.user)
         return self._prompt
 
-    def add_response(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None = None) -> None:
+    def add_response(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None = None,
+                     kept: Sequence[list[int]] | None = None) -> None:
         prompt = self.prompt_ids()
         self._rows.append((prompt + list(ids), [False] * len(prompt) + [True] * len(ids),
                            [-1] * len(prompt) + [turn] * len(ids),
-                           [0.0] * len(prompt) + list(logprobs if logprobs is not None else [0.0] * len(ids))))
+                           [0.0] * len(prompt) + list(logprobs if logprobs is not None else [0.0] * len(ids)),
+                           [None] * len(prompt) + list(kept if kept is not None else [None] * len(ids))))
         answer = self.open_tag + self.tokenizer.decode(list(ids), skip_special_tokens=True)
         self._pending = (self.user[0], self.user[1], answer)
 

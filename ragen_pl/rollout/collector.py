@@ -218,7 +218,7 @@ class Collector:
         chat = ep.chat
         assert chat is not None
         t0 = time.perf_counter()
-        chat.add_response(gen.token_ids, turn, gen.logprobs)
+        chat.add_response(gen.token_ids, turn, gen.logprobs, gen.kept)
         ep.response_tokens += len(gen.token_ids)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         parsed = parse_answer(text, think=c.think, max_actions=c.max_actions_per_turn)
@@ -296,13 +296,19 @@ class Collector:
         turn_ids = torch.full((B, T), -1, dtype=torch.long)
         rewards = torch.zeros((B, T), dtype=torch.float32)
         logprobs = torch.zeros((B, T), dtype=torch.float32)
-        for b, (e, r, (ids, sampled, turns, lps)) in enumerate(rows):
+        width = max((len(k) for _, _, row in rows for k in row[4] if k is not None), default=0)
+        kept = torch.full((B, T, width), -1, dtype=torch.int32) if width else None
+        for b, (e, r, (ids, sampled, turns, lps, sets)) in enumerate(rows):
             n = len(ids)
             input_ids[b, :n] = torch.tensor(ids)
             attention[b, :n] = True
             loss_mask[b, :n] = torch.tensor(sampled)
             turn_ids[b, :n] = torch.tensor(turns)
             logprobs[b, :n] = torch.tensor(lps, dtype=torch.float32)
+            if kept is not None:
+                for t, ids_t in enumerate(sets):
+                    if ids_t:
+                        kept[b, t, :len(ids_t)] = torch.tensor(ids_t, dtype=torch.int32)
             ep = episodes[e]
             if c.reward_placement == "turn":
                 for (row, pos), reward in ep.rewards.items():
@@ -321,6 +327,7 @@ class Collector:
             env_tags=tuple(episodes[e].env.tag for e, _, _ in rows),
             traj_ids=torch.tensor([e for e, _, _ in rows], dtype=torch.long) if windowed else None,
             rollout_logprobs=logprobs,
+            sampling_masks=kept,
         )
 
 

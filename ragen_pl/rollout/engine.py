@@ -60,6 +60,10 @@ class Generation:
     """Log-probability of each sampled token under the sampling distribution (temperature, top-k, top-p applied)."""
     finish_reason: Literal["stop", "length", "eos"]
     """Why the turn ended: a stop string, the token budget, or the end-of-sequence token."""
+    kept: list[list[int]] | None = None
+    """For each sampled token, the vocabulary ids it was drawn from when sampling truncated the distribution
+    (top-k, top-p; an empty list where the set was too large to record); None when it did not, or when the engine
+    cannot say (vLLM). The update scores each token over its set (``--model.ppo.replay_sampling_mask``)."""
 
 
 class RolloutEngine(ABC):

@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ragen_pl.dist import is_sharded, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 from ragen_pl.rollout.prefix import PrefixCache
-from ragen_pl.rollout.sampling import Outputs, sample_next
+from ragen_pl.rollout.sampling import Outputs, sample_next, truncates
 
 
 class HFEngine(RolloutEngine):
@@ -253,18 +253,20 @@ class HFEngine(RolloutEngine):
         rows = list(range(n))  # prompt index of each batch row
         live = set(rows)
         logits = decoder.first_logits
-        pending: list[tuple[Tensor, Tensor]] = []
+        pending: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        with_kept = truncates(params, logits.shape[-1])
         for step in range(params.max_new_tokens):
-            ids, lps = sample_next(logits, params, generator)
-            pending.append((ids, lps))
+            ids, lps, kept = _draw(logits, params, generator, with_kept)
+            pending.append((ids, lps, kept))
             last = step == params.max_new_tokens - 1
             if len(pending) == sync_every or last:
-                ids_h = torch.stack([i for i, _ in pending]).tolist()  # one device-to-host copy per chunk
-                lps_h = torch.stack([lp for _, lp in pending]).tolist()
+                ids_h = torch.stack([i for i, _, _ in pending]).tolist()  # one device-to-host copy per chunk
+                lps_h = torch.stack([lp for _, lp, _ in pending]).tolist()
+                kept_h = [k.tolist() if k is not None else None for _, _, k in pending]
                 pending = []
-                for ids_l, lps_l in zip(ids_h, lps_h):
+                for ids_l, lps_l, kept_l in zip(ids_h, lps_h, kept_h):
                     for j, i in enumerate(rows):
-                        if i in live and out.record(i, ids_l[j], lps_l[j]):
+                        if i in live and out.record(i, ids_l[j], lps_l[j], kept_l[j] if kept_l else None):
                             live.discard(i)
                 if not live or last:
                     break
@@ -320,11 +322,14 @@ class HFEngine(RolloutEngine):
             next_pos = positions[:, -1:] + 1
         else:  # nothing here, but other ranks generate: keep pace with them
             self._dummy_forward(model, device)
+        with_kept = n > 0 and truncates(params, logits.shape[-1])
         for step in range(params.max_new_tokens):
             if rows:
-                ids, lps = sample_next(logits, params, generator)
+                ids, lps, kept = _draw(logits, params, generator, with_kept)
                 ids_l, lps_l = ids.tolist(), lps.tolist()
-                keep = [j for j, i in enumerate(rows) if not out.record(i, ids_l[j], lps_l[j])]
+                kept_l = kept.tolist() if kept is not None else None
+                keep = [j for j, i in enumerate(rows)
+                        if not out.record(i, ids_l[j], lps_l[j], kept_l[j] if kept_l else None)]
                 if step == params.max_new_tokens - 1:
                     keep = []  # out of tokens: every row is done
                 if len(keep) < len(rows):  # finished rows leave the batch and the KV cache
@@ -348,6 +353,14 @@ class HFEngine(RolloutEngine):
                            past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         return out.generations()
+
+
+def _draw(logits: Tensor, params: SamplingParams, generator, with_kept: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``sample_next``'s ids and log-probs, and the kept sets when the distribution was truncated."""
+    if with_kept:
+        return sample_next(logits, params, generator, with_kept=True)  # type: ignore[return-value]
+    ids, lps = sample_next(logits, params, generator)
+    return ids, lps, None
 
 
 def _stack_left(rows: list[Tensor]) -> Tensor:

@@ -120,8 +120,9 @@ def test_each_training_process_runs_its_own_engine_on_its_own_device(tiny, monke
     _stand_in_vllm(monkeypatch, lambda **kwargs: seen.update(kwargs) or object())
     VLLMEngine(seed=5).bind(model, tok)
     assert "distributed_executor_backend" not in seen and seen["seed"] == 5
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # set, then removed: monkeypatch removes what the engine sets
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
