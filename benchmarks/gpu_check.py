@@ -8,9 +8,16 @@ the model has the Qwen2.5-0.5B shape with random weights, built locally with the
 2. Training: ``ragen-pl fit`` on Sokoban (bf16 mixed precision, float32 master weights, PPO with a separate critic)
    for ``--steps`` iterations under one GPU without sharding, Lightning's FSDPStrategy (FSDP1) and
    ModelParallelStrategy (FSDP2), and once more on one GPU with the engine's kept prefixes off (every turn's prompt
-   prefilled whole). Per strategy: iteration time (median over iterations after the first), the
-   generation share, rollout tokens/s, update tokens/s, MFU (6 x trained parameters x update tokens/s over the GPU's
-   dense bf16 peak) and peak memory.
+   prefilled whole). Per strategy: the measured iteration time (median of ``time/iteration`` after the first), the
+   generation time, rollout tokens/s, update tokens/s, the update's MFU and peak memory.
+3. The paper's shape (``--paper``): 8 groups x 16 trajectories, up to 5 turns of up to 400 tokens (random weights
+   rarely close an answer, so turns run to their limit: worst-case lengths), one GPU, bf16.
+
+MFU counts what the update computes: 6 x the trunk's parameters (embeddings and LM head excluded) x the positions its
+forwards ran over (``throughput/update_positions``: padding included, a shared prompt prefix once), plus 6 x the LM
+head's parameters x the tokens it scored (``throughput/update_scored_tokens``), plus the critic's trunk (no LM head)
+over the same positions; divided by ``time/update`` and the GPU's dense bf16 peak. Attention's quadratic FLOPs are
+not counted. A GPU not in ``PEAKS`` needs ``--peak-tflops``.
 
     python benchmarks/gpu_check.py [--steps 3] [--work /tmp/ragen-pl-gpu-check] [--shape qwen2.5-0.5b|tiny]
 
@@ -38,8 +45,29 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1),
 }
-# Dense bf16 tensor-core peaks (FLOP/s) of the GPUs this targets; others fall back to the H100's figure.
+# Dense bf16 tensor-core peaks (FLOP/s); any other device needs --peak-tflops.
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def parameter_counts(path: Path) -> dict[str, int]:
+    """Trunk (decoder layers and final norm), LM head (vocab x hidden, counted once even when tied) parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())  # a tied head is one tensor, counted once here
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    trunk = total - embed - (0 if tied else head)
+    return {"trunk": trunk, "head": head}
+
+
+def update_flops(row: dict[str, str], counts: dict[str, int], critic: bool) -> float:
+    positions = float(row["throughput/update_positions"])
+    scored = float(row["throughput/update_scored_tokens"])
+    return 6 * counts["trunk"] * positions * (2 if critic else 1) + 6 * counts["head"] * scored
 
 
 def build_model(work: Path, shape: str) -> Path:
@@ -144,13 +172,14 @@ STRATEGY_ARGS = {
 }
 
 
-def fit(path: Path, work: Path, name: str, steps: int, device: str, n_params: int, peak: float) -> dict[str, float]:
-    save_dir = work / "runs" / name.replace(" ", "_")
+def fit(path: Path, work: Path, name: str, steps: int, device: str, counts: dict[str, int], peak: float,
+        extra: list[str] | None = None, label: str | None = None) -> dict[str, float]:
+    save_dir = work / "runs" / (label or name).replace(" ", "_")
     args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml"),
             *STRATEGY_ARGS[name], f"--model.model={path}", f"--trainer.max_steps={steps}",
             "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
             f"--trainer.logger.init_args.save_dir={save_dir}", "--data.n_groups=4", "--data.group_size=8",
-            "--data.rollout.max_turns=3", "--data.rollout.max_new_tokens=64"]
+            "--data.rollout.max_turns=3", "--data.rollout.max_new_tokens=64", *(extra or [])]
     if device == "cpu":  # the smoke test: one CPU process, full precision
         args = [a for a in args if "precision" not in a]
         args += ["--trainer.accelerator=cpu", "--data.n_groups=2", "--data.group_size=2"]
@@ -170,11 +199,10 @@ def fit(path: Path, work: Path, name: str, steps: int, device: str, n_params: in
         values = [float(r[key]) for r in steady if r.get(key)]
         return statistics.median(values) if values else float("nan")
 
-    gen = med("time/rollout_generate")
-    iteration = gen + med("time/rollout_env") + med("time/rollout_tokenize") + med("time/prepare") + med("time/update")
-    update_rate = med("throughput/update_tokens_per_s")
-    return {"wall": wall, "iteration": iteration, "generate": gen, "rollout_tps": med("throughput/rollout_tokens_per_s"),
-            "update_tps": update_rate, "mfu": 6 * n_params * update_rate / peak,
+    mfu = statistics.median([update_flops(r, counts, critic=True) / float(r["time/update"]) / peak for r in steady])
+    return {"wall": wall, "iteration": med("time/iteration"), "generate": med("time/rollout_generate"),
+            "rollout_tps": med("throughput/rollout_tokens_per_s"),
+            "update_tps": med("throughput/update_tokens_per_s"), "mfu": mfu,
             "peak_gib": max((float(r["gpu/peak_memory_gib"]) for r in rows if r.get("gpu/peak_memory_gib")), default=0.0)}
 
 
@@ -186,6 +214,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_ARGS), choices=list(STRATEGY_ARGS))
+    parser.add_argument("--paper", action="store_true", help="also one iteration at the paper's shape (see above)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, TFLOP/s")
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,15 +225,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     path = build_model(work, args.shape)
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
-        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    counts = parameter_counts(path)
+    n_params = counts["trunk"] + counts["head"]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    peak = next((v for k, v in PEAKS.items() if k in name), PEAKS["H100"])
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAKS.items() if k in name), None)
+    if peak is None:
+        if device == "cuda":
+            raise SystemExit(f"error: no dense bf16 peak known for {name!r}: give it with --peak-tflops")
+        peak = float("nan")  # the CPU smoke test prints no MFU
     import lightning
     import transformers
 
@@ -216,7 +245,7 @@ def main() -> None:
         print(f"  {k:<16}{v:>10.0f} tokens/s" if v == v else f"  {k:<16}{'n/a':>10} (not installed)")
     print(f"  hf / generate   {rates['hf engine'] / rates['model.generate']:>10.2f}", flush=True)
     strategies = args.strategies if device == "cuda" else ["1 GPU", "1 GPU, no kept prefix"]  # FSDP1 refuses CPUs
-    results = {s: fit(path, work, s, args.steps, device, 2 * n_params, peak) for s in strategies}
+    results = {s: fit(path, work, s, args.steps, device, counts, peak) for s in strategies}
     print(f"\ntraining, Sokoban, 32 trajectories x 3 turns x 64 tokens, PPO with a separate critic, {args.steps} "
           f"iterations (medians after the first):")
     head = f"  {'strategy':<22}{'iteration s':>12}{'generate s':>11}{'rollout tok/s':>14}{'update tok/s':>13}{'MFU':>7}{'peak GiB':>9}"
@@ -227,6 +256,16 @@ def main() -> None:
             continue
         print(f"  {s:<22}{r['iteration']:>12.2f}{r['generate']:>11.2f}{r['rollout_tps']:>14.0f}{r['update_tps']:>13.0f}"
               f"{100 * r['mfu']:>6.1f}%{r['peak_gib']:>9.2f}")
+    if args.paper:
+        paper = ["--data.n_groups=8", "--data.group_size=16", "--data.rollout.max_turns=5",
+                 "--data.rollout.max_new_tokens=400", "--data.rollout.max_seq_len=4096", "--model.ppo.mini_batch_size=32",
+                 "--model.ppo.micro_batch_size=8"] if device == "cuda" else ["--data.rollout.max_new_tokens=16"]
+        r = fit(path, work, "1 GPU", max(2, args.steps), device, counts, peak, extra=paper, label="paper shape")
+        results["paper shape"] = r
+        if not r.get("failed"):
+            print(f"\npaper shape (8 x 16 trajectories, 5 turns, up to 400 tokens per turn): iteration "
+                  f"{r['iteration']:.1f} s (goal <= 18 s: 200 iterations in an hour), generation {r['generate']:.1f} s, "
+                  f"update MFU {100 * r['mfu']:.1f}% (goal >= 25%), peak {r['peak_gib']:.1f} GiB")
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if any(r.get("failed") for r in results.values()):
         sys.exit(1)

@@ -1,11 +1,20 @@
-"""Per-iteration time of StarPO training on the tiny model, split into rollout, filtering, update and logging.
+"""Per-iteration time of StarPO training on the tiny model, split into rollout, filtering, update and logging; and
+the update's tokens/s beside a plain transformers loop on the same rows.
 
-Runs a few iterations through the real Trainer (the same code path as ``ragen-pl fit``) and prints, per phase, the
-median seconds and share of the iteration. "Model" time is the engine's generation plus scoring (old log-probs and
-values, forward only) plus the update (forward, backward, optimiser). Target: everything else (env steps,
-tokenisation, filtering, advantage math, logging, Lightning) stays under 15% of the iteration.
+1. A few iterations through the real Trainer (the same code path as ``ragen-pl fit``), printing per phase the median
+   seconds and share of the iteration. "Model" time is the engine's generation plus scoring (old log-probs and
+   values, forward only) plus the update (forward, backward, optimiser). Target: everything else (env steps,
+   tokenisation, filtering, advantage math, logging, Lightning) stays under 15% of the iteration.
+2. ``--compare``: one rollout of 32 SmolLM2 FrozenLake trajectories (``configs/smollm2-frozenlake.yaml``'s warm start
+   and settings), then one update over it two ways, side by side, in fp32 and in bf16 autocast: ragen-pl's
+   ``StarPOUpdate`` (LM head on scored positions only, the shared prompt prefix once, length-grouped micro-batches)
+   and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
+   every position, the same PPO surrogate and AdamW step). Goal: >= 1.5x the plain loop's tokens/s. Then the peak
+   memory of log-probs and entropy (forward and backward) over 4,096 scored tokens of SmolLM2's 49,152-token
+   vocabulary, computed the plain way (float32 copies kept for backward) and by ``ragen_pl.scoring.token_stats``
+   (a float32 chunk at a time), each in its own process.
 
-    python benchmarks/train_step.py [--iterations 6] [--threads 2]
+    python benchmarks/train_step.py [--iterations 6] [--threads 2] [--compare] [--compare-only]
 """
 
 from __future__ import annotations
@@ -13,8 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -23,17 +35,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--compare", action="store_true", help="also time the update against a plain loop")
+    parser.add_argument("--compare-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.compare_only:
+        phases(args)
+    if args.compare or args.compare_only:
+        compare_update()
+        compare_memory()
 
+
+def phases(args) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
+    from ragen_pl.config import PPOConfig
     from ragen_pl.data import RolloutDataModule
     from ragen_pl.envs.sokoban import Sokoban
     from ragen_pl.filters import VarianceTopP
     from ragen_pl.models.tiny import build_tiny_model, warm_start_rollout
-    from ragen_pl.module import PPOConfig, RagenModule
+    from ragen_pl.module import RagenModule
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -78,6 +100,115 @@ def main() -> None:
     model = phases["rollout: generate"] + phases["score (old logprobs, values)"] + phases["update (fwd, bwd, optim)"]
     outside = 100 * (total - model) / total
     print(f"\noutside generation and forward/backward: {outside:.1f}% of the iteration (target < 15%)")
+
+
+
+def frozenlake_rollout(n: int = 32):
+    """``n`` SmolLM2 FrozenLake trajectories (8 groups) sampled with the config's warm start and settings."""
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.models.smollm2 import build_smollm2_warm
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
+    from ragen_pl.rollout.hf import HFEngine
+
+    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-frozenlake.yaml").read_text())
+    path = build_smollm2_warm("frozenlake", progress=False)
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
+    groups = max(1, n // 4)
+    specs = [EpisodeSpec(FrozenLake(), seed=g, group_id=g) for g in range(groups) for _ in range(n // groups)]
+    batch = Collector(engine, tok, RolloutConfig(**cfg["data"]["rollout"])).collect(specs).batch
+    return model, batch
+
+
+def plain_update(model, batch, opt, micro: int) -> None:
+    """What a straightforward transformers loop does: full logits, float32 log-softmax everywhere, padded rows."""
+    n = len(batch)
+    mask = batch.loss_mask[:, 1:]
+    count = mask.sum()
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, n, micro):
+        rows = slice(start, start + micro)
+        logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[rows, 1:, None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        adv = batch.advantages[rows, 1:]
+        loss = torch.where(mask[rows], -adv * ratio, 0.0).sum() / count
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def compare_update(repeats: int = 2) -> None:
+    import copy
+
+    from ragen_pl.advantages import GRPO
+    from ragen_pl.config import PPOConfig
+    from ragen_pl.policy import Models
+    from ragen_pl.update import StarPOUpdate
+
+    model, batch = frozenlake_rollout()
+    model.train()
+    ppo = PPOConfig(mini_batch_size=len(batch), micro_batch_size=8, entropy_coeff=0.0)
+    update = StarPOUpdate(GRPO(), ppo)
+    update.prepare(batch, Models(model))
+    tokens = float(batch.attention_mask.sum())
+    print(f"\nthe update, {len(batch)} SmolLM2 FrozenLake trajectories ({tokens:.0f} tokens, "
+          f"{int(batch.loss_mask.sum())} sampled), one optimiser step, micro-batches of 8:")
+    print(f"{'precision':<12}{'plain loop tok/s':>18}{'ragen-pl tok/s':>16}{'ratio':>8}")
+    for precision in ("fp32", "bf16 autocast"):
+        rates = {}
+        for name in ("plain", "ragen-pl"):
+            m = copy.deepcopy(model)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
+            best = float("inf")
+            for _ in range(repeats):
+                b = copy.deepcopy(batch)
+                start = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+                    if name == "plain":
+                        plain_update(m, b, opt, 8)
+                    else:
+                        update.step(b, Models(m), [opt])
+                best = min(best, time.perf_counter() - start)
+            rates[name] = tokens / best
+        print(f"{precision:<12}{rates['plain']:>18.0f}{rates['ragen-pl']:>16.0f}{rates['ragen-pl'] / rates['plain']:>7.2f}x",
+              flush=True)
+
+
+MEMORY = """
+import resource, sys, torch
+torch.set_num_threads(1)
+logits = torch.randn(4096, 49152).bfloat16().requires_grad_(True)
+labels = torch.randint(0, 49152, (4096,))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[1] == "plain":
+    z = logits.float()
+    lp = z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    p = torch.softmax(z, -1)
+    ent = torch.logsumexp(z, -1) - (p * z).sum(-1)
+    del z, p
+else:
+    from ragen_pl.scoring import token_stats
+    lp, ent = token_stats(logits, labels, entropy=True)
+(lp.sum() + ent.sum()).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+"""
+
+
+def compare_memory() -> None:
+    import subprocess
+    import sys
+
+    peaks = {m: float(subprocess.run([sys.executable, "-c", MEMORY, m], capture_output=True, text=True,
+                                     check=True).stdout.split()[-1]) for m in ("plain", "chunked")}
+    print(f"\nlog-probs and entropy of 4,096 scored tokens (vocabulary 49,152, bf16 logits of 0.38 GiB), forward and "
+          f"backward, peak memory beyond the logits: plain {peaks['plain']:.2f} GiB, token_stats "
+          f"{peaks['chunked']:.2f} GiB")
 
 
 if __name__ == "__main__":

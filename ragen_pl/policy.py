@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.scoring import MIN_SHARED_PREFIX, can_share, forward_shared, shared_prefix_length, shift_values
+from ragen_pl.scoring import forward_shared, prefix_to_share, shift_values
 
 __all__ = ["Models", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "policy_state_dict", "shard"]
 
@@ -71,8 +71,8 @@ class Models:
         """(B, T) values of the separate critic (the rows' shared prefix run once if ``share_prefix``)."""
         assert self.critic is not None
         backbone = getattr(self.critic, "backbone", None)
-        prefix = shared_prefix_length(ids, mask) if share_prefix and backbone is not None and can_share(backbone) else 0
-        return self.critic(ids, attn, prefix) if prefix >= MIN_SHARED_PREFIX else self.critic(ids, attn)
+        prefix = prefix_to_share(backbone, ids, mask) if share_prefix and backbone is not None else 0
+        return self.critic(ids, attn, prefix) if prefix else self.critic(ids, attn)
 
     def shared_values(self, hidden: Tensor) -> Tensor:
         """(B, T) values of the value head on the policy's (B, T, H) hidden states."""

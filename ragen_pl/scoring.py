@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Scores", "entropy_from_logits", "forward_shared", "logprobs_from_logits", "score", "scored_logits",
-           "restrict_to_kept", "shared_prefix_length", "shift_values", "can_share"]
+__all__ = ["Scores", "entropy_from_logits", "token_stats", "forward_shared", "logprobs_from_logits", "score", "scored_logits",
+           "prefix_to_share", "restrict_to_kept", "shared_prefix_length", "shift_values", "can_share"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
@@ -69,17 +69,17 @@ def forward_shared(model: nn.Module, ids: Tensor, attn: Tensor, prefix: int, **k
                  use_cache=True, **kwargs)
 
 
-def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, share_prefix: bool = False,
+def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, prefix: int = 0,
                   **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
     """Forward ``model`` with its LM head run only where a token of ``mask`` is scored.
 
-    With ``share_prefix`` (and a model that can), the rows' common prefix runs once (:func:`forward_shared`); the
-    output then starts at the prefix's end. Returns the model output, the (N, V) logits scoring the N tokens of
-    ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N token ids.
+    With ``prefix`` >= :data:`MIN_SHARED_PREFIX` (see :func:`prefix_to_share`) the rows' common first ``prefix``
+    tokens run once (:func:`forward_shared`); the output then starts at the prefix's end. Returns the model output,
+    the (N, V) logits scoring the N tokens of ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N
+    token ids.
     """
     target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
     cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
-    prefix = shared_prefix_length(ids, mask) if share_prefix and can_share(model) else 0
     if prefix >= MIN_SHARED_PREFIX:
         out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
     else:
@@ -88,27 +88,76 @@ def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, sha
     return out, out.logits[keep], ids[:, 1:][:, cols][keep]
 
 
+def prefix_to_share(model: nn.Module, ids: Tensor, mask: Tensor) -> int:
+    """The shared prefix :func:`scored_logits` should run once for these rows (0: none worth it, or a model that
+    cannot)."""
+    prefix = shared_prefix_length(ids, mask) if can_share(model) else 0
+    return prefix if prefix >= MIN_SHARED_PREFIX else 0
+
+
+class _TokenStats(torch.autograd.Function):
+    """Log-probs of ``labels`` and entropy under (N, V) ``logits``, a chunk of rows at a time, forward and backward.
+
+    Only ``logits`` (in their own dtype: bf16 under autocast) are kept for backward; the float32 softmax of a chunk
+    exists while that chunk is processed. Autograd through ``logits.float()`` and ``logsumexp`` would keep a float32
+    copy of every row (the whole (N, V) in float32, twice the bf16 logits) until backward.
+
+    Gradients: ``d log p(y) / dz = onehot(y) - p``; ``dH / dz = -p (z - E_p[z])`` (0 where p = 0: tokens outside a
+    kept set, at -inf).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, chunk: int, with_entropy: bool):  # type: ignore[override]
+        n = logits.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            z = logits[s:s + chunk].float()
+            lse = torch.logsumexp(z, -1)
+            lp[s:s + chunk] = z.gather(-1, labels[s:s + chunk, None]).squeeze(-1) - lse
+            if with_entropy:
+                p = torch.exp(z - lse[:, None])
+                ent[s:s + chunk] = lse - torch.where(p > 0, p * z, 0.0).sum(-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: Tensor, g_ent: Tensor):  # type: ignore[override]
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            z = logits[s:e].float()
+            p = torch.softmax(z, -1)
+            g = -p * g_lp[s:e, None]
+            g.scatter_add_(-1, labels[s:e, None], g_lp[s:e, None])
+            if ctx.with_entropy and g_ent is not None:
+                z_mean = torch.where(p > 0, p * z, 0.0).sum(-1, keepdim=True)
+                g -= torch.where(p > 0, p * (z - z_mean), 0.0) * g_ent[s:e, None]
+            grad[s:e] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
+def token_stats(logits: Tensor, labels: Tensor, entropy: bool = False, chunk: int = 1024
+                ) -> tuple[Tensor, Tensor | None]:
+    """(N,) float32 log-probs of ``labels`` under (N, V) ``logits`` and, with ``entropy``, the (N,) entropies; the
+    float32 softmax exists for ``chunk`` rows at a time, in forward and backward (:class:`_TokenStats`)."""
+    lp, ent = _TokenStats.apply(logits, labels, chunk, entropy)
+    return lp, ent if entropy else None
+
+
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """``log softmax(logits)[labels]`` without materialising the full log-softmax. (..., V), (...) -> (...)."""
-    logits = logits.float()
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """``log softmax(logits)[labels]``, (..., V), (...) -> (...) float32 (see :func:`token_stats`)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return token_stats(flat, labels.reshape(-1))[0].reshape(labels.shape)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
-    """Entropy of ``softmax(logits)`` over the last axis, (..., V) -> (...).
-
-    ``H = logsumexp(z) - sum softmax(z) z``. Rows are processed ``chunk_size`` at a time, so the float32 softmax
-    exists for one chunk only. Pass only the rows you need (the sampled tokens): the caller gathers them first.
-    """
+    """Entropy of ``softmax(logits)`` over the last axis, (..., V) -> (...), float32 (see :func:`token_stats`)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    out = []
-    for chunk in flat.split(chunk_size):
-        z = chunk.float()
-        p = torch.softmax(z, -1)
-        out.append(torch.logsumexp(z, -1) - torch.where(p > 0, p * z, 0.0).sum(-1))  # -inf logits (a kept set) add 0
-    if not out:
-        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    return torch.cat(out).reshape(logits.shape[:-1])
+    labels = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    return token_stats(flat, labels, entropy=True, chunk=chunk_size)[1].reshape(logits.shape[:-1])
 
 
 def restrict_to_kept(logits: Tensor, kept: Tensor) -> Tensor:
@@ -139,6 +188,10 @@ class Scores:
     """(B, T) float32 entropy of the distribution each token of ``mask`` was drawn from (0 elsewhere)."""
     hidden: Tensor | None = None
     """(B, T, H) the last hidden states (for a value head on the policy's trunk)."""
+    positions: int = 0
+    """Positions the model's trunk ran over (padding included; a shared prefix once): its FLOPs' token count."""
+    scored: int = 0
+    """Tokens that went through the LM head."""
 
 
 def _spread(target: Tensor, values: Tensor) -> Tensor:
@@ -155,16 +208,18 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
     each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p sampling). No
     (B, T, V) tensor is built."""
     kwargs = {"output_hidden_states": hidden} if hidden else {}
-    out, logits, labels = scored_logits(model, ids, attn, mask, share_prefix=share_prefix, **kwargs)
+    prefix = prefix_to_share(model, ids, mask) if share_prefix else 0
+    out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, **kwargs)
     logits = logits / temperature  # (N, V)
     target = mask[:, 1:]
     if kept is not None:
-        logits = restrict_to_kept(logits.float(), kept[:, 1:][target])
+        logits = restrict_to_kept(logits, kept[:, 1:][target])
     states = None
     if hidden:
         states = out.hidden_states[-1]
         if states.shape[1] < ids.shape[1]:  # the prefix ran once: pad it back to (B, T, H)
             states = torch.cat([states.new_zeros(ids.shape[0], ids.shape[1] - states.shape[1], states.shape[2]),
                                 states], 1)
-    return Scores(logprobs=_spread(target, logprobs_from_logits(logits, labels)),
-                  entropy=_spread(target, entropy_from_logits(logits)) if entropy else None, hidden=states)
+    lp, ent = token_stats(logits, labels, entropy=entropy)
+    return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None, hidden=states,
+                  positions=ids.numel() - (ids.shape[0] - 1) * prefix, scored=int(labels.numel()))

@@ -31,8 +31,12 @@ from ragen_pl.rollout.prompt import first_user_message, format_instruction, next
 from ragen_pl.scoring import scored_logits
 
 
-def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, seed: int = 0) -> list[dict]:
-    """Trajectories of random legal actions, in the SFT JSONL layout, ``episodes`` per env."""
+def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, seed: int = 0,
+                   expert: bool = False) -> list[dict]:
+    """Trajectories of random legal actions, in the SFT JSONL layout, ``episodes`` per env.
+
+    ``expert`` plays the env's solver instead, one action per turn (``benchmarks/probe_solver_sft.py``: a diagnostic
+    of what a model can learn to read, never a warm start for RL results)."""
     rng = random.Random(seed)
     fmt = format_instruction(config.think, config.max_actions_per_turn, config.max_new_tokens)
     records = []
@@ -45,7 +49,7 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
             turns, used = [], 0
             for turn in range(config.max_turns):
                 n = rng.randint(1, min(3, config.max_actions_per_turn, config.max_actions_per_episode - used))
-                actions = [rng.choice(env.actions) for _ in range(n)]
+                actions = [env.expert_action()] if expert else [rng.choice(env.actions) for _ in range(n)]
                 answer = " || ".join(actions)
                 text = (f"I will try {' then '.join(actions)}.</think><answer>{answer}</answer>" if config.think
                         else f"{answer}</answer>")
@@ -130,7 +134,7 @@ def _collate(pad_id: int):
 
 
 def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int = 300, lr: float = 1e-3,
-        batch_size: int = 16, seed: int = 0, progress: bool = True) -> float:
+        batch_size: int = 16, seed: int = 0, progress: bool = True, precision: str = "32-true") -> float:
     """Fine-tune ``model_path`` on ``records`` and save model and tokenizer to ``out``; return the final loss."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,7 +151,8 @@ def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=_collate(pad), drop_last=False)
     module = SFTModule(model, lr=lr)
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=progress, accelerator="auto", devices=1)
+                         enable_model_summary=False, enable_progress_bar=progress, accelerator="auto", devices=1,
+                         precision=precision)
     trainer.fit(module, loader)
     out = Path(out)
     model.save_pretrained(out)

@@ -58,6 +58,10 @@ class StarPOUpdate:
         self.policy_loss = policy_loss if policy_loss is not None else PPOClip()
         self.shuffle = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
+        self.positions = 0
+        """Trunk positions the policy's forwards ran over in the current ``step`` (for FLOP counts)."""
+        self.scored = 0
+        """Tokens through the policy's LM head in the current ``step``."""
 
     # ------------------------------------------------------------------------------------------- scoring
     def scores_old_policy_in_update(self, models: Models, n: int) -> bool:
@@ -168,6 +172,8 @@ class StarPOUpdate:
             p.tis_cap, p.mis_bound)
         pg, metrics = self.policy_loss(s.logprobs, old, advantages, mask, p)
         metrics.update(off_metrics)
+        self.positions += s.positions
+        self.scored += s.scored
         assert s.entropy is not None
         norm = p.loss_agg_norm or 1.0
         ent = aggregate(s.entropy, mask, p.loss_agg, norm)
@@ -197,6 +203,7 @@ class StarPOUpdate:
         actor's parameters (and a shared value head's), ``optimizers[1]`` a separate critic's. A step whose gradient
         norm is not finite is skipped and counted. The last mini-batch's gradients stay on the parameters."""
         p = self.ppo
+        self.positions = self.scored = 0
         actor_params = [q for group in optimizers[0].param_groups for q in group["params"]]
         critic_params = [q for group in optimizers[1].param_groups for q in group["params"]] if len(optimizers) > 1 else []
         sums: dict[str, list[Tensor]] = {}
@@ -241,6 +248,8 @@ class StarPOUpdate:
                 batch.old_logprobs[rows, :lp.shape[1]] = lp.float()
         out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).nanmean() for k, v in sums.items()}
         out["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
+        out["throughput/update_positions"] = torch.tensor(float(self.positions))
+        out["throughput/update_scored_tokens"] = torch.tensor(float(self.scored))
         out["train/optimizer_steps"] = torch.tensor(float(steps))
         return out
 

@@ -86,3 +86,27 @@ def test_restrict_to_kept_keeps_exactly_each_rows_set():
     out = restrict_to_kept(logits, kept)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 3, 5]
     assert torch.equal(out[1], logits[1])  # no set: the whole vocabulary
+
+
+def test_token_stats_values_and_gradients_equal_plain_autograd():
+    """The chunked autograd function against log_softmax / softmax autograd, in float64, with chunks that do not
+    divide the rows, and with -inf logits (a kept set)."""
+    from ragen_pl.scoring import token_stats
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g, dtype=torch.float64)
+    logits[2, 3:6] = float("-inf")
+    labels = torch.tensor([0, 5, 1, 10, 4, 4, 2])
+    w_lp, w_ent = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    a = logits.clone().requires_grad_(True)
+    lp, ent = token_stats(a, labels, entropy=True, chunk=3)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    b = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(b, -1)
+    p = logp.exp()
+    ref_lp = logp.gather(-1, labels[:, None]).squeeze(-1)
+    ref_ent = -(p * torch.nan_to_num(logp, neginf=0.0)).sum(-1)  # (a where() here would give NaN gradients)
+    ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
