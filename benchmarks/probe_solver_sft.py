@@ -1,11 +1,15 @@
 """An upper-bound probe for the multi-turn learning runs: can SmolLM2-135M learn to *read* the env's text at all?
 
-    python benchmarks/probe_solver_sft.py [--env frozenlake|sokoban] [--episodes 512] [--steps 80]
+    python benchmarks/probe_solver_sft.py [--env frozenlake|sokoban] [--episodes 512] [--stages 80 160 320]
 
 It fine-tunes SmolLM2-135M-Instruct (supervised) on the env's solver, one action per turn, in the exact rollout
-layout of ``configs/smollm2-<env>.yaml``, then evaluates it like the RL runs (same evaluation seeds, temperature and
-rollout settings) beside the random policy and the format warm start. This is a diagnostic of what the model can
-read, never a result: the RL runs start from the format warm start (random legal play) and nothing here reaches them.
+layout of ``configs/smollm2-<env>.yaml``, in stages (the total steps after each), and after each stage measures its
+*reading accuracy*: on the first turn of 256 evaluation seeds, how often its greedy first action is an optimal one
+(FrozenLake: the actions of highest success probability by value iteration; Sokoban: the first moves of a shortest
+solution), beside the chance level of a uniformly random action. At the end it is evaluated like the RL runs (same
+evaluation seeds, temperature and rollout settings) beside the random policy and the format warm start. This is a
+diagnostic of what the model can read, never a result: the RL runs start from the format warm start (random legal
+play) and nothing here reaches them.
 """
 
 from __future__ import annotations
@@ -46,11 +50,102 @@ def evaluate(path: str, cfg: dict, temperature: float | None = None) -> dict[str
     return {k: float(m[k]) for k in ("success", "format_error_rate", "effective_action_rate")}
 
 
+def action_values(env, budget: int = 10) -> dict[str, float] | None:
+    """FrozenLake: each action's probability of reaching the goal within the episode's ``budget`` actions when
+    acting optimally afterwards (finite-horizon value iteration, observing after every action); None elsewhere."""
+    if type(env).__name__ != "FrozenLake":
+        return None
+    from ragen_pl.envs.frozen_lake import _MOVES
+
+    n = env.size
+    outcomes = (-1, 0, 1) if env.slippery else (0,)
+    cells = [(r, c) for r in range(n) for c in range(n)]
+
+    def move(cell, a):
+        return min(max(cell[0] + _MOVES[a][0], 0), n - 1), min(max(cell[1] + _MOVES[a][1], 0), n - 1)
+
+    def q(values, cell, a):
+        return sum(values[move(cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+
+    values = {c: float(c == env.goal) for c in cells}  # no action left
+    for _ in range(budget - 1):
+        values = {c: (1.0 if c == env.goal else 0.0 if c in env.holes else max(q(values, c, a) for a in range(4)))
+                  for c in cells}
+    return {name: q(values, env.pos, i) for i, name in enumerate(env.actions)}
+
+
+def optimal_first_actions(env) -> set[str]:
+    """The actions an optimal policy may take in ``env``'s current state."""
+    qs = action_values(env)
+    if qs is not None:
+        best = max(qs.values())
+        return {a for a, v in qs.items() if v >= best - 1e-9}
+    import copy
+
+    from ragen_pl.envs.sokoban import solve
+
+    length = len(solve(env) or [])
+    best = set()
+    for a in env.actions:
+        after = copy.deepcopy(env)
+        _, _, done, info = after.step(a)
+        rest = 0 if info.get("success") else len(solve(after) or [None] * 999)
+        if 1 + rest == length:
+            best.add(a)
+    return best
+
+
+def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
+    """Over the first turns of n eval seeds: how often the greedy first action is optimal (and a uniformly random
+    one's chance), and for FrozenLake the mean success probability of the chosen action (uniformly random: the mean
+    over actions; optimal: the best)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import ChatTokens
+    from ragen_pl.rollout.engine import SamplingParams
+    from ragen_pl.rollout.hf import HFEngine
+    from ragen_pl.rollout.prompt import first_user_message, format_instruction, parse_answer
+
+    data = cfg["data"]
+    rollout = RolloutConfig(**data["rollout"])
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
+    fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
+    prompts, optimal, values = [], [], []
+    for i in range(n):
+        env = make_env(data["env"])
+        obs = env.reset(data.get("val_seed", 1_000_000) + i)
+        first = first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt)
+        prompts.append(ChatTokens(tok, rollout.system_prompt, first, rollout.think).ids)
+        optimal.append(optimal_first_actions(env))
+        values.append(action_values(env))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gens = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=rollout.max_new_tokens))
+    hits, q_model = 0, 0.0
+    for gen, best, qs in zip(gens, optimal, values):
+        parsed = parse_answer(tok.decode(gen.token_ids, skip_special_tokens=True), think=rollout.think)
+        action = parsed.actions[0].strip().capitalize() if parsed.actions else None
+        hits += action in best
+        q_model += qs.get(action, 0.0) if qs else 0.0
+    chance = sum(len(b) for b in optimal) / (4 * n)
+    text = f"first action optimal {hits / n:.3f} (random {chance:.3f})"
+    if values[0] is not None:
+        q_random = sum(sum(q.values()) / 4 for q in values) / n
+        q_best = sum(max(q.values()) for q in values) / n
+        text += (f", its success probability {q_model / n:.3f} (random action {q_random:.3f}, best action "
+                 f"{q_best:.3f})")
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
     parser.add_argument("--episodes", type=int, default=512, help="solver episodes to fine-tune on")
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--stages", type=int, nargs="+", default=[80, 160, 320], help="total SFT steps after each")
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
 
@@ -65,16 +160,20 @@ def main() -> int:
     rollout = RolloutConfig(**cfg["data"]["rollout"])
     print(f"random policy: {random_success(cfg, 20):.3f}", flush=True)
     warm = build_smollm2_warm(args.env, progress=False)
-    print(f"format warm start (the RL runs' step 0): {evaluate(str(warm), cfg)}", flush=True)
-    records = demonstrations([make_env(cfg["data"]["env"])], args.episodes, rollout, seed=12345, expert=True)
-    out = Path(tempfile.mkdtemp(prefix="ragen-pl-probe-")) / "solver-sft"
-    t = time.perf_counter()
-    loss = sft(build_smollm2(), records, out, steps=args.steps, lr=args.lr, batch_size=8, progress=False,
-               precision="bf16-mixed")
-    print(f"SFT on {len(records)} solver episodes, {args.steps} steps: final loss {loss:.3f}, "
-          f"{time.perf_counter() - t:.0f} s", flush=True)
-    print(f"solver SFT (upper-bound probe): {evaluate(str(out), cfg)}; greedy: {evaluate(str(out), cfg, 0.0)}",
+    print(f"format warm start (the RL runs' step 0): {reading_accuracy(str(warm), cfg)}; {evaluate(str(warm), cfg)}",
           flush=True)
+    records = demonstrations([make_env(cfg["data"]["env"])], args.episodes, rollout, seed=12345, expert=True)
+    root = Path(tempfile.mkdtemp(prefix="ragen-pl-probe-"))
+    model, done = str(build_smollm2()), 0
+    for total in args.stages:
+        out = root / f"solver-sft-{total}"
+        t = time.perf_counter()
+        loss = sft(model, records, out, steps=total - done, lr=args.lr, batch_size=8, seed=total, progress=False,
+                   precision="bf16-mixed", accumulate=4)
+        model, done = str(out), total
+        print(f"solver SFT, {total} steps ({len(records)} episodes, final loss {loss:.3f}, "
+              f"{time.perf_counter() - t:.0f} s): {reading_accuracy(model, cfg)}", flush=True)
+    print(f"solver SFT, {done} steps, evaluated as the RL runs: {evaluate(model, cfg)}", flush=True)
     return 0
 
 

@@ -134,8 +134,11 @@ def _collate(pad_id: int):
 
 
 def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int = 300, lr: float = 1e-3,
-        batch_size: int = 16, seed: int = 0, progress: bool = True, precision: str = "32-true") -> float:
-    """Fine-tune ``model_path`` on ``records`` and save model and tokenizer to ``out``; return the final loss."""
+        batch_size: int = 16, seed: int = 0, progress: bool = True, precision: str = "32-true",
+        accumulate: int = 1) -> float:
+    """Fine-tune ``model_path`` on ``records`` and save model and tokenizer to ``out``; return the final loss.
+
+    Each of the ``steps`` optimiser steps sees ``batch_size`` records, in ``accumulate`` passes (less memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if steps < 1 or batch_size < 1 or lr <= 0:
@@ -148,9 +151,13 @@ def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int
     model.train()
     data = [encode(r, tokenizer) for r in records]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=_collate(pad), drop_last=False)
+    if batch_size % accumulate:
+        raise ValueError(f"--batch-size ({batch_size}) must be a multiple of the accumulation ({accumulate})")
+    loader = DataLoader(data, batch_size=batch_size // accumulate, shuffle=True, collate_fn=_collate(pad),
+                        drop_last=False)
     module = SFTModule(model, lr=lr)
-    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accumulate_grad_batches=accumulate,
+                         logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=progress, accelerator="auto", devices=1,
                          precision=precision)
     trainer.fit(module, loader)
