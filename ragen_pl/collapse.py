@@ -168,11 +168,25 @@ def sample_pairs(batch: TrajectoryBatch, tokenizer, config: CollapseConfig, gene
 
 def collapse_metrics(model: nn.Module, tokenizer, batch: TrajectoryBatch, config: CollapseConfig,
                      generator: torch.Generator, prefix: str = "collapse") -> dict[str, float]:
-    """The metrics of a sample of ``batch`` under ``model`` (keys ``<prefix>/<name>``); empty if fewer than two
-    pairs or one distinct context."""
+    """The metrics of a sample of ``batch`` under ``model`` (keys ``<prefix>/<name>``), and per env tag
+    (``<prefix>/<tag>/<name>``, ``config.samples`` pairs each) when the batch has several: across envs the contexts
+    differ in kind, and I(X;Z) would mostly say which env a reasoning belongs to. Empty where fewer than two pairs or
+    one distinct context are found."""
     import time
 
     start = time.perf_counter()
+    out = _metrics_of(model, tokenizer, batch, config, generator, prefix)
+    tags = sorted(set(batch.env_tags))
+    if len(tags) > 1:
+        for tag in tags:
+            rows = torch.tensor([t == tag for t in batch.env_tags])
+            out.update(_metrics_of(model, tokenizer, batch.select(rows), config, generator, f"{prefix}/{tag}"))
+    out["time/collapse"] = time.perf_counter() - start
+    return out
+
+
+def _metrics_of(model: nn.Module, tokenizer, batch: TrajectoryBatch, config: CollapseConfig,
+                generator: torch.Generator, prefix: str) -> dict[str, float]:
     pairs = sample_pairs(batch, tokenizer, config, generator)
     contexts: dict[tuple[int, ...], int] = {}
     cols = torch.tensor([contexts.setdefault(tuple(p.context), len(contexts)) for p in pairs], dtype=torch.long)
@@ -189,5 +203,4 @@ def collapse_metrics(model: nn.Module, tokenizer, batch: TrajectoryBatch, config
     lengths = torch.tensor([len(p.reasoning) for p in pairs])
     out = {f"{prefix}/{k}": v for k, v in information(cross, lengths, cols).items()}
     out[f"{prefix}/reasoning_tokens"] = float(lengths.double().mean())
-    out["time/collapse"] = time.perf_counter() - start
     return out

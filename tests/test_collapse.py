@@ -162,3 +162,22 @@ def test_metrics_computed_every_n_steps_are_logged_at_those_steps_only(tiny_mode
     steps = sorted(int(r["step"]) for r in rows if r.get("collapse/mi"))
     assert steps == [0, 2]
     assert sorted({int(r["step"]) for r in rows if r.get("loss/policy")}) == [0, 1, 2]
+
+
+def test_several_envs_get_their_own_metrics(tiny):
+    from ragen_pl.collapse import collapse_metrics
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.envs.bandit import Bandit
+    from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
+    from ragen_pl.rollout.hf import HFEngine
+
+    model, tok = tiny
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
+    specs = [EpisodeSpec(env, seed=s, group_id=s) for s in range(4) for env in (Bandit(), Sokoban())]
+    batch = Collector(engine, tok, RolloutConfig(max_turns=1, max_new_tokens=6)).collect(specs).batch
+    m = collapse_metrics(model, tok, batch, CollapseConfig(samples=4), torch.Generator().manual_seed(0))
+    for prefix in ("collapse", "collapse/Bandit", "collapse/Sokoban"):
+        assert f"{prefix}/mi" in m and m[f"{prefix}/num_contexts"] >= 2, prefix
+    assert m["collapse/Bandit/num_pairs"] == 4  # `samples` pairs per env
