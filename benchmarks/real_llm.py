@@ -108,6 +108,7 @@ def main() -> int:
     parser.add_argument("--random-repeats", type=int, default=20, help="random plays per evaluation seed")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached warm start, to time it")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 to run two seeds side by side)")
     args, extra = parser.parse_known_args()  # anything else goes to `ragen-pl fit` (e.g. --data.n_groups=4)
 
     import torch
@@ -115,7 +116,8 @@ def main() -> int:
     from ragen_pl.cli import main as cli
     from ragen_pl.models.smollm2 import build_smollm2_warm
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    extra = [f"--torch_threads={args.threads}", *extra]
     cfg = load_config(args.env)
     for arg in extra:  # evaluation overrides given for the fit hold for the random baseline too
         for key in ("val_episodes", "val_seed"):
