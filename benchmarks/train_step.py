@@ -7,8 +7,8 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    tokenisation, filtering, advantage math, logging, Lightning) stays under 15% of the iteration.
 2. ``--compare``: one rollout of 32 SmolLM2 FrozenLake trajectories (``configs/smollm2-frozenlake.yaml``'s warm start
    and settings), then one update over it two ways, side by side, in fp32 and in bf16 autocast: ragen-pl's
-   ``StarPOUpdate`` (LM head on scored positions only, the shared prompt prefix once, length-grouped micro-batches)
-   and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
+   ``StarPOUpdate`` (LM head on scored positions only, length-grouped micro-batches; the shared prompt prefix once,
+   the default, or the rows packed without padding, ``--model.ppo.pack``) and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
    every position, the same PPO surrogate and AdamW step). Goal: >= 1.5x the plain loop's tokens/s. Then the peak
    memory of log-probs and entropy (forward and backward) over 4,096 scored tokens of SmolLM2's 49,152-token
    vocabulary, computed the plain way (float32 copies kept for backward) and by ``ragen_pl.scoring.token_stats``
@@ -153,16 +153,19 @@ def compare_update(repeats: int = 2) -> None:
 
     model, batch = frozenlake_rollout()
     model.train()
-    ppo = PPOConfig(mini_batch_size=len(batch), micro_batch_size=8, entropy_coeff=0.0)
-    update = StarPOUpdate(GRPO(), ppo)
-    update.prepare(batch, Models(model))
+    updates = {name: StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=len(batch), micro_batch_size=8, entropy_coeff=0.0,
+                                                    share_prefix=name == "shared", pack=name == "packed"))
+               for name in ("shared", "packed")}
+    updates["shared"].prepare(batch, Models(model))
     tokens = float(batch.attention_mask.sum())
     print(f"\nthe update, {len(batch)} SmolLM2 FrozenLake trajectories ({tokens:.0f} tokens, "
-          f"{int(batch.loss_mask.sum())} sampled), one optimiser step, micro-batches of 8:")
-    print(f"{'precision':<12}{'plain loop tok/s':>18}{'ragen-pl tok/s':>16}{'ratio':>8}")
+          f"{int(batch.loss_mask.sum())} sampled), one optimiser step, micro-batches of 8; ragen-pl with the shared "
+          f"prompt prefix (default) and with packed rows (--model.ppo.pack):")
+    print(f"{'precision':<15}{'plain loop tok/s':>18}{'shared tok/s':>14}{'packed tok/s':>14}{'shared/plain':>14}"
+          f"{'packed/plain':>14}")
     for precision in ("fp32", "bf16 autocast"):
         rates = {}
-        for name in ("plain", "ragen-pl"):
+        for name in ("plain", "shared", "packed"):
             m = copy.deepcopy(model)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
             best = float("inf")
@@ -173,11 +176,11 @@ def compare_update(repeats: int = 2) -> None:
                     if name == "plain":
                         plain_update(m, b, opt, 8)
                     else:
-                        update.step(b, Models(m), [opt])
+                        updates[name].step(b, Models(m), [opt])
                 best = min(best, time.perf_counter() - start)
             rates[name] = tokens / best
-        print(f"{precision:<12}{rates['plain']:>18.0f}{rates['ragen-pl']:>16.0f}{rates['ragen-pl'] / rates['plain']:>7.2f}x",
-              flush=True)
+        print(f"{precision:<15}{rates['plain']:>18.0f}{rates['shared']:>14.0f}{rates['packed']:>14.0f}"
+              f"{rates['shared'] / rates['plain']:>13.2f}x{rates['packed'] / rates['plain']:>13.2f}x", flush=True)
 
 
 MEMORY = """

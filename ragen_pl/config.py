@@ -107,6 +107,10 @@ class PPOConfig:
     share_prefix: bool = True
     """Run the prompt prefix that all rows of a micro-batch share once, not once per row (the same losses and
     gradients; off with gradient checkpointing or a sharded model, which cannot take a KV cache)."""
+    pack: bool = False
+    """Run each micro-batch's rows packed into one sequence, without padding (position ids restart at every row;
+    the same losses and gradients). Pays off with flash attention's variable-length kernels on a GPU; under SDPA the
+    packed sequence's mask is quadratic in its length. Needs ``share_prefix=false`` (one or the other)."""
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "mini_batch_size", "micro_batch_size"):
@@ -133,6 +137,9 @@ class PPOConfig:
         if self.loss_agg_norm is not None:
             _check_number("--model.ppo.loss_agg_norm", self.loss_agg_norm, 0.0, low_open=True)
         _check_number("--model.ppo.grad_clip", self.grad_clip, 0.0, low_open=True)
+        if self.pack and self.share_prefix:
+            raise ValueError("`--model.ppo.pack=true` runs every row whole without padding, `--model.ppo.share_prefix` "
+                             "runs the rows' common prompt once: choose one (add --model.ppo.share_prefix=false)")
         if self.tis_cap is not None:
             _check_number("--model.ppo.tis_cap", self.tis_cap, 1.0)
         if self.mis_bound is not None:

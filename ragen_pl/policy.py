@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.scoring import forward_shared, prefix_to_share, shift_values
+from ragen_pl.scoring import forward_packed, forward_shared, prefix_to_share, shift_values, unpack_rows
 
 __all__ = ["Models", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "policy_state_dict", "shard"]
 
@@ -32,9 +32,13 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.head = zero_head(hidden_size)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, prefix: int = 0) -> Tensor:
-        """(B, T) values; with ``prefix`` the rows' shared first tokens run once (their values are not needed: 0)."""
-        if prefix:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, prefix: int = 0, pack: bool = False) -> Tensor:
+        """(B, T) values; with ``prefix`` the rows' shared first tokens run once (their values are not needed: 0);
+        with ``pack`` the rows run packed, without padding (:func:`ragen_pl.scoring.forward_packed`)."""
+        if pack:
+            hidden = unpack_rows(forward_packed(self.backbone, input_ids, attention_mask).last_hidden_state,
+                                 attention_mask)
+        elif prefix:
             hidden = forward_shared(self.backbone, input_ids, attention_mask, prefix).last_hidden_state
             hidden = torch.cat([hidden.new_zeros(hidden.shape[0], prefix, hidden.shape[2]), hidden], 1)
         else:
@@ -67,9 +71,13 @@ class Models:
     def has_critic(self) -> bool:
         return self.critic is not None or self.value_head is not None
 
-    def critic_values(self, ids: Tensor, attn: Tensor, mask: Tensor, share_prefix: bool) -> Tensor:
-        """(B, T) values of the separate critic (the rows' shared prefix run once if ``share_prefix``)."""
+    def critic_values(self, ids: Tensor, attn: Tensor, mask: Tensor, share_prefix: bool, pack: bool = False
+                      ) -> Tensor:
+        """(B, T) values of the separate critic (the rows' shared prefix run once if ``share_prefix``, the rows
+        packed without padding if ``pack``)."""
         assert self.critic is not None
+        if pack:
+            return self.critic(ids, attn, pack=True)
         backbone = getattr(self.critic, "backbone", None)
         prefix = prefix_to_share(backbone, ids, mask) if share_prefix and backbone is not None else 0
         return self.critic(ids, attn, prefix) if prefix else self.critic(ids, attn)

@@ -13,18 +13,27 @@ instructions; a group's whole first prompt). :func:`forward_shared` runs that pr
 of every row on top of its keys and values, expanded to the batch: gradients flow back through the prefix as they
 would through each row's copy, so losses and gradients are those of the plain forward (tests/test_scoring.py) for
 about a third less compute on FrozenLake's rows.
+
+Packed rows (``PPOConfig.pack``): a micro-batch's rows, without their padding, run as one sequence whose position ids
+restart at every row; transformers then keeps the rows apart (a block-diagonal causal mask; variable-length kernels
+under flash attention), so no position is spent on padding. :func:`check_packing` refuses, once per model, a model
+that lets packed rows see each other.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Scores", "entropy_from_logits", "token_stats", "forward_shared", "logprobs_from_logits", "score", "scored_logits",
-           "prefix_to_share", "restrict_to_kept", "shared_prefix_length", "shift_values", "can_share"]
+from ragen_pl.errors import ConfigError
+
+__all__ = ["Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed", "forward_shared",
+           "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score", "scored_logits",
+           "shared_prefix_length", "shift_values", "token_stats", "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
@@ -69,16 +78,71 @@ def forward_shared(model: nn.Module, ids: Tensor, attn: Tensor, prefix: int, **k
                  use_cache=True, **kwargs)
 
 
-def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, prefix: int = 0,
+def pack_rows(ids: Tensor, attn: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, T) right-padded rows -> (1, L) their real tokens one row after another and (1, L) position ids that
+    restart at 0 with every row (L = the number of real tokens)."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return ids[attn][None], positions[attn][None]
+
+
+def unpack_rows(x: Tensor, attn: Tensor) -> Tensor:
+    """(1, L, ...) per packed position -> (B, T, ...) at each row's real positions, zeros on the padding."""
+    out = x.new_zeros(*attn.shape, *x.shape[2:])
+    out[attn] = x[0]
+    return out
+
+
+def forward_packed(model: nn.Module, ids: Tensor, attn: Tensor, **kwargs: Any) -> Any:
+    """``model`` on the (B, T) right-padded rows packed into one sequence (:func:`pack_rows`). The output covers the
+    L packed positions (a ``logits_to_keep`` tensor indexes them; ``hidden_states`` are (1, L, H))."""
+    check_packing(model)
+    flat, positions = pack_rows(ids, attn)
+    return model(input_ids=flat, position_ids=positions, attention_mask=None, **{"use_cache": False, **kwargs})
+
+
+_PACKING_CHECKED: weakref.WeakSet = weakref.WeakSet()
+
+
+@torch.no_grad()
+def check_packing(model: nn.Module) -> None:
+    """Refuse (once per model) a model whose attention lets packed rows see each other: the second of two packed
+    rows must get the hidden states it gets alone. Costs two forwards of a few tokens, the first time."""
+    if model in _PACKING_CHECKED:
+        return
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2) or 2)
+    first = torch.arange(8, device=device) % vocab
+    second = (torch.arange(8, device=device) * 7 + 3) % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        alone = model(input_ids=second[None], output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+        packed = model(input_ids=torch.cat([first, second])[None], use_cache=False, output_hidden_states=True,
+                       position_ids=torch.arange(8, device=device).repeat(2)[None], attention_mask=None
+                       ).hidden_states[-1][0, 8:]
+    finally:
+        model.train(was_training)
+    error = float((packed.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-6))
+    if not error < 0.1:
+        raise ConfigError(f"--model.ppo.pack=true: {type(model).__name__} lets packed rows attend to each other "
+                          f"(hidden states off by {error:.2f} relative); set --model.ppo.pack=false")
+    _PACKING_CHECKED.add(model)
+
+
+def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, prefix: int = 0, pack: bool = False,
                   **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
     """Forward ``model`` with its LM head run only where a token of ``mask`` is scored.
 
     With ``prefix`` >= :data:`MIN_SHARED_PREFIX` (see :func:`prefix_to_share`) the rows' common first ``prefix``
-    tokens run once (:func:`forward_shared`); the output then starts at the prefix's end. Returns the model output,
-    the (N, V) logits scoring the N tokens of ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N
-    token ids.
+    tokens run once (:func:`forward_shared`); the output then starts at the prefix's end. With ``pack`` the rows run
+    packed (:func:`forward_packed`); the output covers the packed positions. Returns the model output, the (N, V)
+    logits scoring the N tokens of ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N token ids.
     """
     target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
+    if pack:
+        packed_index = attn.flatten().cumsum(0).view_as(attn) - 1  # (B, T): each real position's packed index
+        out = forward_packed(model, ids, attn, logits_to_keep=packed_index[:, :-1][target], **kwargs)
+        return out, out.logits[0], ids[:, 1:][target]
     cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
     if prefix >= MIN_SHARED_PREFIX:
         out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
@@ -201,15 +265,16 @@ def _spread(target: Tensor, values: Tensor) -> Tensor:
 
 
 def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float = 1.0,
-          entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None
-          ) -> Scores:
+          entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None,
+          pack: bool = False) -> Scores:
     """Log-probs of ``ids`` at the positions of ``mask`` under ``model`` at ``temperature``; optionally the entropy
-    there and the last hidden states (zeros on a shared prefix, where nothing is scored). With ``kept`` (B, T, K),
-    each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p sampling). No
+    there and the last hidden states (zeros on a shared prefix, where nothing is scored, and on padding). With
+    ``kept`` (B, T, K), each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p
+    sampling). ``pack`` runs the rows packed, without padding (it takes precedence over ``share_prefix``). No
     (B, T, V) tensor is built."""
     kwargs = {"output_hidden_states": hidden} if hidden else {}
-    prefix = prefix_to_share(model, ids, mask) if share_prefix else 0
-    out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, **kwargs)
+    prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
+    out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, **kwargs)
     logits = logits / temperature  # (N, V)
     target = mask[:, 1:]
     if kept is not None:
@@ -217,9 +282,12 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
     states = None
     if hidden:
         states = out.hidden_states[-1]
-        if states.shape[1] < ids.shape[1]:  # the prefix ran once: pad it back to (B, T, H)
+        if pack:
+            states = unpack_rows(states, attn)
+        elif states.shape[1] < ids.shape[1]:  # the prefix ran once: pad it back to (B, T, H)
             states = torch.cat([states.new_zeros(ids.shape[0], ids.shape[1] - states.shape[1], states.shape[2]),
                                 states], 1)
     lp, ent = token_stats(logits, labels, entropy=entropy)
     return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None, hidden=states,
-                  positions=ids.numel() - (ids.shape[0] - 1) * prefix, scored=int(labels.numel()))
+                  positions=int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix,
+                  scored=int(labels.numel()))

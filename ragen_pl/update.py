@@ -78,10 +78,11 @@ class StarPOUpdate:
 
     def _reference_logprobs(self, models: Models, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float
                             ) -> Tensor:
+        layout = {"share_prefix": self.ppo.share_prefix, "pack": self.ppo.pack}
         if models.reference is not None:
-            return score(models.reference, ids, attn, mask, temperature, share_prefix=self.ppo.share_prefix).logprobs
+            return score(models.reference, ids, attn, mask, temperature, **layout).logprobs
         with models.policy.disable_adapter():  # LoRA: the base model is the reference
-            return score(models.policy, ids, attn, mask, temperature, share_prefix=self.ppo.share_prefix).logprobs
+            return score(models.policy, ids, attn, mask, temperature, **layout).logprobs
 
     @torch.no_grad()
     def prepare(self, batch: TrajectoryBatch, models: Models) -> dict[str, Tensor]:
@@ -104,12 +105,12 @@ class StarPOUpdate:
             ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
             if score_policy:
                 s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
-                          share_prefix=self.ppo.share_prefix, kept=self._kept(part, T))
+                          share_prefix=self.ppo.share_prefix, kept=self._kept(part, T), pack=self.ppo.pack)
                 fill("old_logprobs", idx, s.logprobs)
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
             if models.critic is not None:
-                fill("values", idx, models.critic_values(ids, attn, mask, self.ppo.share_prefix))
+                fill("values", idx, models.critic_values(ids, attn, mask, self.ppo.share_prefix, self.ppo.pack))
             if self.ppo.kl_coeff > 0:
                 fill("ref_logprobs", idx, self._reference_logprobs(models, ids, attn, mask, batch.temperature))
         for name, x in filled.items():
@@ -164,7 +165,7 @@ class StarPOUpdate:
         ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
         scale = self.loss_denominator(mask) / mini_count
         s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
-                  share_prefix=p.share_prefix, kept=self._kept(part, T))
+                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack)
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
         advantages, off_metrics = off_policy_correction(
@@ -186,7 +187,7 @@ class StarPOUpdate:
             metrics["loss/kl"] = kl.detach()
         critic = None
         if models.has_critic:
-            values = (models.critic_values(ids, attn, mask, p.share_prefix) if models.critic is not None
+            values = (models.critic_values(ids, attn, mask, p.share_prefix, p.pack) if models.critic is not None
                       else models.shared_values(s.hidden))
             vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg, norm)
             metrics.update(vm)

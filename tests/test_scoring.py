@@ -1,5 +1,5 @@
-"""Scoring with a shared prefix (the rows' common prompt run once) gives the plain forward's log-probs, entropy,
-hidden states, critic values and gradients."""
+"""Scoring with a shared prefix (the rows' common prompt run once) or with packed rows (no padding) gives the plain
+forward's log-probs, entropy, hidden states, critic values and gradients."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_shared_prefix_length_stops_before_the_first_scored_logit():
     assert shared_prefix_length(ids[:1], mask[:1]) == 0  # one row shares nothing with anyone
 
 
-def test_scores_values_and_gradients_equal_the_plain_forward(tiny):
+@pytest.mark.parametrize("layout", ["share_prefix", "pack"])
+def test_scores_values_and_gradients_equal_the_plain_forward(tiny, layout):
     model, _ = tiny
     model = copy.deepcopy(model).train()
     critic = ValueModel(copy.deepcopy(model.model), model.config.hidden_size)
@@ -42,12 +43,15 @@ def test_scores_values_and_gradients_equal_the_plain_forward(tiny):
     ids, attn, mask = rows_with_a_common_prompt(model.config.vocab_size)
     assert shared_prefix_length(ids, mask) == 40 >= MIN_SHARED_PREFIX  # the common prompt
     results = []
-    for share in (False, True):
+    for on in (False, True):
         for p in [*model.parameters(), *critic.parameters(), *head.parameters()]:
             p.grad = None
-        s = score(model, ids, attn, mask, temperature=0.7, entropy=True, hidden=True, share_prefix=share)
+        s = score(model, ids, attn, mask, temperature=0.7, entropy=True, hidden=True, **{layout: on})
+        if layout == "pack":
+            assert s.positions == (int(attn.sum()) if on else attn.numel())  # no position spent on padding
         models = Models(model, critic=critic)
-        values = models.critic_values(ids, attn, mask, share_prefix=share)
+        values = models.critic_values(ids, attn, mask, share_prefix=on and layout == "share_prefix",
+                                      pack=on and layout == "pack")
         shared_head = Models(model, value_head=head).shared_values(s.hidden)
         loss = (s.logprobs * mask).sum() + (s.entropy * mask).sum() + (values * mask).sum() + (shared_head * mask).sum()
         loss.backward()
@@ -110,3 +114,32 @@ def test_token_stats_values_and_gradients_equal_plain_autograd():
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_packing_is_refused_for_a_model_that_lets_rows_see_each_other(tiny):
+    """A model that ignores position ids' restarts (here: a wrapper that drops them) mixes packed rows: refused in
+    one line naming the flag, before any score is computed."""
+    from ragen_pl.errors import ConfigError
+    from ragen_pl.scoring import check_packing
+
+    model, _ = tiny
+
+    class IgnoresPositions(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, position_ids=None, attention_mask=None, **kwargs):
+            return self.inner(**kwargs)
+
+    check_packing(model)  # the real model keeps packed rows apart
+    with pytest.raises(ConfigError, match=r"--model.ppo.pack=true: IgnoresPositions lets packed rows attend"):
+        check_packing(IgnoresPositions(copy.deepcopy(model)))
+
+
+def test_pack_and_share_prefix_are_one_or_the_other():
+    from ragen_pl.config import PPOConfig
+
+    PPOConfig(pack=True, share_prefix=False)
+    with pytest.raises(ValueError, match=r"--model.ppo.pack=true.*choose one \(add --model.ppo.share_prefix=false\)"):
+        PPOConfig(pack=True)

@@ -86,11 +86,16 @@ def run_case(model_path, case: dict) -> dict:
             "old_logprobs": batch.old_logprobs[batch.loss_mask].tolist()}
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_update_matches_the_recorded_one(tiny_model_path, name):
-    got = run_case(tiny_model_path, CASES[name])
+def test_update_matches_the_recorded_one(tiny_model_path, name, pack):
+    """Packed rows (``--model.ppo.pack``, no padding) reproduce the padded update recorded before packing existed."""
+    case = CASES[name]
+    if pack:
+        case = {**case, "ppo": {**case["ppo"], "pack": True, "share_prefix": False}}
+    got = run_case(tiny_model_path, case)
     path = DATA / f"{name}.json"
-    if os.environ.get("RAGEN_PL_RECORD"):
+    if os.environ.get("RAGEN_PL_RECORD") and not pack:
         path.write_text(json.dumps(got, indent=1) + "\n")
     want = json.loads(path.read_text())
     # Every recorded metric is still logged; new ones may be added only as throughput counts.
