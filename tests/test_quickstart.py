@@ -29,4 +29,6 @@ def test_quickstart_learns_bandit(tmp_path, monkeypatch):
     bandit = [(int(r["step"]), float(r["val/Bandit/success"])) for r in rows if r.get("val/Bandit/success")]
     assert bandit[0][0] == 0 and bandit[-1][0] >= 19
     assert bandit[0][1] <= 0.85, bandit  # the warm start does not know the better arm (0.27-0.69 over 5 seeds)
-    assert bandit[-1][1] >= 0.9, bandit  # StarPO-S learned to pick the high-risk arm (0.98-1.00 over 5 seeds)
+    # StarPO-S learned to pick the high-risk arm: 0.95-1.00 over 5 seeds here, 0.89 once on the CI machine; with 64
+    # episodes a success of 0.9 has a standard error of about 0.04, so the bar sits 2-3 of them below what was seen.
+    assert bandit[-1][1] >= 0.8, bandit
