@@ -8,9 +8,9 @@ from the warm start of each seed (each seed rebuilds the tiny model and its warm
   symmetric clipping 0.2 / 0.2.
 
 Per condition it prints the evaluation success per env after the last iteration (range over seeds) and the Echo
-Trap alarm's firings (the iteration of collapse: an env's training success falling to half its best while its
-behaviour narrows, see ``ragen_pl.callbacks.EchoTrapAlarm``; replayed on the logged metrics, so a table rebuilt with
-``--from-runs`` uses the alarm's current rule), beside what the paper found. It writes the
+Trap alarm's firings (the iteration of collapse: an env's training success falling, significantly for the
+episodes counted, to half its best, see ``ragen_pl.callbacks.EchoTrapAlarm``; replayed on the logged metrics, so a
+table rebuilt with ``--from-runs`` uses the alarm's current rule), beside what the paper found. It writes the
 ``ragen-pl report`` figures of each comparison (baseline against the variants) under ``--out``.
 
     python benchmarks/findings.py [--seeds 0 1 2] [--steps 20] [--out runs/findings]

@@ -32,6 +32,7 @@ TRUNCATED = "truncated"
 REPETITION = "repetition"
 THINK_ANSWER_AGREEMENT = "think_answer_agreement"
 THINK_WORDS = "think_words"
+EPISODES = "episodes"
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -86,6 +87,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         if len(texts) > 1:
             repetition.append(1 - (len(set(texts)) - 1) / (len(texts) - 1))
     out.update({
+        EPISODES: float(len(ok)),  # what the success share averages over (the Echo Trap alarm's test needs it)
         SUCCESS: _mean([float(ep.success) for ep in ok]),
         PASS_AT_K: _mean([float(any(e.success for e in g)) for g in groups.values()]),
         RETURN_MEAN: returns.mean().item(),

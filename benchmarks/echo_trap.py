@@ -1,0 +1,174 @@
+"""The Echo Trap alarm judged on runs: its delay on recorded collapses, and its false alarms where nothing collapses.
+
+Three sets of runs, replayed through ``ragen_pl.callbacks.EchoTrapAlarm`` step by step:
+
+* tuning: the quickstart runs its defaults were chosen on (``tests/data/echo_trap/{grpo,ppo}_seed{0-4}.csv``,
+  20 iterations, warm starts of seeds 0-4);
+* held-out: runs it never saw (``tests/data/echo_trap/heldout/``: the quickstart over seeds 5-9 for 30
+  iterations, GRPO and PPO, from ``benchmarks/learning_seeds.py --keep``; SmolLM2 Sokoban from
+  ``benchmarks/real_llm.py``), plus any ``metrics.csv`` given with ``--runs``;
+* simulated runs with no learning: success stationary at 0.05-0.8 (64 episodes a step in groups of 8, the
+  quickstart's share of one env), answers drawn from a fixed distribution, entropy and gradient norm stationary
+  noise, 100 steps. Any alarm there is false.
+
+An env *collapsed* at the first step from which its success stays below half its best so far for 3 steps (judged
+with hindsight; the best is a trailing 3-step mean of at least 0.1). The delay is the alarm's step minus that step
+(negative: the alarm came before the halving). Runs recorded before ``rollout/<tag>/episodes`` was logged get the
+quickstart's 64 episodes per env and step.
+
+    python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+from pathlib import Path
+
+from ragen_pl.callbacks import EchoTrapAlarm
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "echo_trap"
+LEVELS = (0.05, 0.15, 0.3, 0.5, 0.8)
+
+
+def load(path: Path, episodes: float = 64.0) -> list[dict[str, float]]:
+    """One run's metrics, a dict per step (rows of the same step merged), with ``episodes`` filled in if absent."""
+    steps: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("step", "") == "":
+                continue
+            merged = steps.setdefault(int(float(row["step"])), {})
+            merged.update({k: float(v) for k, v in row.items() if v not in ("", None) and k != "step"})
+    out = []
+    for step in sorted(steps):
+        m = steps[step]
+        if not any(k.startswith("rollout/") and k.endswith("/success") for k in m):
+            continue  # an evaluation-only row
+        for key in [k for k in m if k.startswith("rollout/") and k.endswith("/success")]:
+            m.setdefault(key[: -len("success")] + "episodes", episodes)
+        out.append(m)
+    return out
+
+
+def env_tags(run: list[dict[str, float]]) -> list[str]:
+    tags = sorted({k.split("/")[1] for m in run for k in m if k.startswith("rollout/") and k.count("/") == 2
+                   and k.endswith("/success")})
+    return tags or [""]
+
+
+def halving(successes: list[float], min_peak: float = 0.1) -> int | None:
+    """The first step from which an env's success stays below half its best so far for 3 steps (the mean of that
+    step and the next two below half the best trailing 3-step mean before it, itself at least ``min_peak``); None
+    if it never does. Judged with hindsight: a run may recover later and still have collapsed here."""
+    best = 0.0
+    for t in range(1, len(successes) - 2):
+        window = successes[max(0, t - 3):t]
+        best = max(best, sum(window) / len(window))
+        if best >= min_peak and sum(successes[t:t + 3]) / 3 < 0.5 * best:
+            return t
+    return None
+
+
+def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> tuple[dict[str, int], dict[str, set[str]]]:
+    """env tag -> the step at which the alarm fired (each env once); env tag -> the signals other than the success
+    drop that held at some step up to then (to the end where it never fired)."""
+    fired: dict[str, int] = {}
+    seen: dict[str, set[str]] = {}
+    for step, metrics in enumerate(run):
+        alarm.observe(metrics)
+        for tag, held in alarm.held.items():
+            if tag not in fired:
+                seen.setdefault(tag, set()).update(k for k in held if k != "success_drop")
+        if alarm.firing:
+            fired[alarm.last_tag or ""] = step
+            alarm.fired_tags.add(alarm.last_tag or "")
+    return fired, seen
+
+
+Row = tuple[str, str, "int | None", "int | None", str]
+
+
+def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm) -> list[Row]:
+    """(run, env, halving step, alarm step, other signals seen by then) per env of the run."""
+    fired, seen = replay(run, make())
+    rows = []
+    for tag in env_tags(run):
+        key = f"rollout/{tag}/success" if tag else "rollout/success"
+        rows.append((name, tag, halving([m[key] for m in run if key in m]), fired.get(tag),
+                     ", ".join(sorted(seen.get(tag, ()))) or "-"))
+    return rows
+
+
+def summary(rows: list[Row]) -> str:
+    collapsed = [r for r in rows if r[2] is not None]
+    caught = [r for r in collapsed if r[3] is not None]
+    false = [r for r in rows if r[2] is None and r[3] is not None]
+    delays = sorted(r[3] - r[2] for r in caught)
+    delay = f"delay {delays[0]:+d} to {delays[-1]:+d} steps" if delays else "no delay measured"
+    return (f"collapses caught {len(caught)}/{len(collapsed)} ({delay}); false alarms {len(false)}/"
+            f"{len(rows) - len(collapsed)} env runs without a collapse")
+
+
+def print_table(title: str, rows: list[Row]) -> None:
+    print(f"\n{title}")
+    print(f"{'run':<28}{'env':<18}{'halved at':>10}{'alarm at':>10}  {'verdict':<20}  other signals by the alarm")
+    for name, tag, halved, alarm, seen in rows:
+        if halved is None:
+            verdict = "false alarm" if alarm is not None else "quiet, no collapse"
+        else:
+            verdict = f"caught, delay {alarm - halved:+d}" if alarm is not None else "missed"
+        print(f"{name:<28}{tag or '-':<18}{'-' if halved is None else halved:>10}{'-' if alarm is None else alarm:>10}"
+              f"  {verdict:<20}  {seen}")
+    print(summary(rows))
+
+
+def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8
+                  ) -> list[dict[str, float]]:
+    """A run that learns nothing: success, answers, entropy and gradient norm all stationary."""
+    answers = [rng.random() ** 2 for _ in range(6)]  # a fixed, uneven answer distribution for the run
+    entropy, grad = rng.uniform(0.2, 1.0), rng.uniform(0.2, 1.0)
+    run = []
+    for _ in range(steps):
+        wins = sum(rng.random() < level for _ in range(episodes))
+        repetition = []
+        for _ in range(episodes // group):
+            picked = rng.choices(range(len(answers)), weights=answers, k=group)
+            repetition.append(1 - (len(set(picked)) - 1) / (group - 1))
+        run.append({"rollout/Env/success": wins / episodes, "rollout/Env/episodes": float(episodes),
+                    "rollout/Env/repetition": sum(repetition) / len(repetition),
+                    "loss/entropy": entropy * (1 + 0.05 * rng.gauss(0, 1)),
+                    "actor/grad_norm": grad * math.exp(0.5 * rng.gauss(0, 1))})
+    return run
+
+
+def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm) -> dict[float, float]:
+    """Success level -> share of simulated no-learning runs on which the alarm fired."""
+    rng = random.Random(seed)
+    return {level: sum(bool(replay(simulated_run(level, steps, rng), make())[0]) for _ in range(runs)) / runs
+            for level in LEVELS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=Path, nargs="*", default=[], help="more metrics.csv files (held out)")
+    parser.add_argument("--simulated", type=int, default=200, help="simulated no-learning runs per success level")
+    parser.add_argument("--steps", type=int, default=100, help="steps per simulated run")
+    args = parser.parse_args()
+
+    tuning = [judge(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))]
+    print_table("Tuning runs (the defaults were chosen on these)", [r for rows in tuning for r in rows])
+    held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
+    heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
+    print_table("Held-out runs", [r for rows in heldout for r in rows])
+
+    rates = false_alarm_rates(args.simulated, args.steps)
+    print(f"\nSimulated runs with no learning ({args.simulated} per level, {args.steps} steps, 64 episodes a step):")
+    print("  success level  " + "  ".join(f"{level:>5.2f}" for level in rates))
+    print("  false alarms   " + "  ".join(f"{rate:>5.1%}" for rate in rates.values()))
+
+
+if __name__ == "__main__":
+    main()
