@@ -12,7 +12,9 @@ start on random legal play, then StarPO) and prints, per seed:
    update; evaluations not counted), until ``--minutes`` of training (``ragen_pl.callbacks.TrainingBudget``), then a
    final evaluation of the last weights;
 4. the time per iteration split into generation, scoring, update and the rest (env steps, tokenisation, filter);
-5. the collapse metrics and Echo Trap alarm of the run, where the config logs them.
+5. the collapse metrics and Echo Trap alarm of the run, where the config logs them, and the random policy's success
+   with as many actions as the model used at step 0 (a model that answers one action per turn plays half the
+   budget).
 
 Goals (issue 20): FrozenLake, the final evaluation >= the random policy's + 0.10 on the same seeds; Sokoban, a gain
 over step 0 larger than two standard errors; Bandit >= 0.9. On 2 cores, within 90 minutes of training per seed.
@@ -46,12 +48,12 @@ def make_env(spec: dict):
     return registry.resolve("envs", spec["class_path"], **(spec.get("init_args") or {}))
 
 
-def random_success(cfg: dict, repeats: int) -> float:
+def random_success(cfg: dict, repeats: int, budget: int | None = None) -> float:
     """Success of uniformly random actions over the config's evaluation seeds, ``repeats`` plays per seed, with its
-    per-episode action budget."""
+    per-episode action budget (or ``budget`` actions: as many as the model used)."""
     data = cfg["data"]
     env = make_env(data["env"])
-    budget = data["rollout"].get("max_actions_per_episode", 10)
+    budget = budget or data["rollout"].get("max_actions_per_episode", 10)
     seeds = range(data.get("val_seed", 1_000_000), data.get("val_seed", 1_000_000) + data["val_episodes"])
     rng, wins, plays = random.Random(0), 0, 0
     for seed in seeds:
@@ -187,10 +189,16 @@ def main() -> int:
         print(f"        per iteration: {parts['iteration']:.1f} s = generation {parts['rollout_generate']:.1f} + "
               f"scoring {parts['prepare']:.1f} + update {parts['update']:.1f} + env, tokenisation, filter, "
               f"collapse metrics {rest:.1f}")
-        collapse = {k: mean_of(trained[-5:], f"collapse/{k}") for k in ("mi", "conditional_entropy")}
-        if collapse["mi"] == collapse["mi"]:
-            print(f"        collapse metrics (last 5 iterations): I(X;Z) {collapse['mi']:.3f}, "
-                  f"H(Z|X) {collapse['conditional_entropy']:.3f} nats per token")
+        for r in [r for r in rows if r.get("collapse/mi_seq")]:  # logged on rows of their own
+            print(f"        collapse metrics at iteration {int(r['step'])}: I(X;Z) {float(r['collapse/mi_seq']):.3f} of "
+                  f"at most {float(r['collapse/mi_upper_bound']):.3f}, H(Z|X) "
+                  f"{float(r['collapse/conditional_entropy_seq']):.3f} nats per sequence; retrieval accuracy "
+                  f"{float(r['collapse/retrieval_accuracy']):.3f} (chance {float(r['collapse/retrieval_chance_level']):.3f})")
+        if baseline is not None:
+            used = [float(r[f"val/{tag}/actions"]) for r in rows if r.get(f"val/{tag}/actions")]
+            budget = max(1, round(used[0]))
+            print(f"        actions per episode at step 0: {used[0]:.2f}; the random policy with {budget} actions: "
+                  f"success {random_success(cfg, args.random_repeats, budget):.3f}")
         alarms = [int(r["step"]) for r in rows if r.get("echo_trap/fired")]
         print(f"        Echo Trap alarm: {'fired at ' + str(alarms) if alarms else 'did not fire'}")
         summary.append((seed, points[0]["success"], final, fit_s))

@@ -1,5 +1,6 @@
 """benchmarks/real_llm.py runs its multi-turn path end to end (tiny model, a few seconds of training): the random
-baseline, the curve, the final evaluation of the last weights, the time split and the goal line."""
+baseline, the curve, the final evaluation of the last weights, the time split, the collapse metrics, the random policy
+with the model's own action count and the goal line."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), "--env", "frozenlake", "--minutes", "0.02",
          "--max-steps", "2", "--random-repeats", "2", "--out", str(tmp_path / "runs"), f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
-         "--trainer.val_check_interval=1", "--torch_threads=1"],
+         "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -28,5 +29,9 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     assert 0.0 <= baseline <= 1.0
     assert re.search(r"\(final, last weights\)", text)
     assert re.search(r"per iteration: [0-9.]+ s = generation [0-9.]+ \+ scoring [0-9.]+ \+ update [0-9.]+", text)
+    assert re.search(r"collapse metrics at iteration 0: I\(X;Z\) -?[0-9.]+ of at most [0-9.]+, H\(Z\|X\) [0-9.]+ nats "
+                     r"per sequence; retrieval accuracy [0-9.]+ \(chance [0-9.]+\)", text), text
+    assert re.search(r"actions per episode at step 0: [0-9.]+; the random policy with [0-9]+ actions: success [0-9.]+",
+                     text), text
     assert re.search(r"^\s+0\s+[0-9.]+\s+[0-9.]+\s+[0-9]+\s+[0-9.]+\s+[-+][0-9.]+ vs random \(>= \+0\.10\)$", text,
                      re.MULTILINE), text
