@@ -104,9 +104,9 @@ class TrajectorySamples(Callback):
 class EchoTrapAlarm(Callback):
     """Watch for the Echo Trap (paper, section on collapse) and act before a run wastes more of its budget.
 
-    A collapse is an env whose training success falls *significantly* while its behaviour narrows. In the
+    A collapse is an env whose training success falls, significantly for the episodes behind it. In the
     quickstart's GRPO runs Bandit success fell from 0.44-0.64 to 0.00-0.13 within one to three iterations, onto the
-    safe arm, with repetition rising. Narrowing alone is no alarm: a PPO run that *solves* Bandit narrows too
+    safe arm, with repetition rising later. Narrowing alone is no alarm: a PPO run that *solves* Bandit narrows too
     (repetition 0.07 -> 0.86). So per env tag (in a multi-env run one env can collapse while another improves):
 
     * ``success_drop`` (required): over the last k steps (each k in 1..``smooth``) the env's success is below
@@ -114,15 +114,16 @@ class EchoTrapAlarm(Callback):
       least ``min_z``, counting the episodes behind each share (``rollout/<tag>/episodes``). With 0/1 rewards a noisy
       success at 15% halves by chance every few steps; the z-test, not a minimum peak, keeps that quiet, so an env
       that never reached 0.3 (SmolLM2 on Sokoban) can still raise it;
-    * at least ``min_signals - 1`` signals that are *not* arithmetically tied to success (the in-group reward std is
-      not one: with 0/1 rewards it falls whenever success does):
+    * ``min_signals - 1`` more signals (none by default: on recorded runs they held as often without a collapse),
+      each *not* arithmetically tied to success (the in-group reward std is not one: with 0/1 rewards it falls
+      whenever success does), named in the warning when they hold:
       ``repetition`` (the env's share of repeated answers in a group above ``repetition_ratio`` x and
       ``repetition_margin`` over its trailing median, or above ``max_repetition``), ``entropy`` (``loss/entropy``
       below ``entropy_ratio`` x its trailing median), ``mi`` (``collapse/mi``, RAGEN-2's I(X;Z), below
       ``mi_ratio`` x its trailing median when that median is at least ``mi_floor``: the reasoning stops depending
       on the input), ``grad_spike`` (``actor/grad_norm`` above ``spike_ratio`` x its trailing median).
 
-    It fires when both hold for ``patience`` consecutive steps, names the env and the signals with their values, and
+    It fires when these hold for ``patience`` consecutive steps, names the env and the signals with their values, and
     then warns, saves a checkpoint, or stops training (``action``). It fires once per env. It is a detector, not a
     forecast: it needs the fall to be visible in the counts. ``benchmarks/echo_trap.py`` prints its delay (steps
     from the halving of success to the alarm) on recorded runs, the runs its defaults were chosen on apart from
