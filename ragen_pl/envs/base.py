@@ -18,6 +18,7 @@ Discrete envs list their action names in ``actions`` and match them case-insensi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict
 
 
@@ -87,6 +88,25 @@ def _action_lookup(actions: tuple[str, ...]) -> dict[str, int]:
     if table is None:
         table = _LOOKUPS[actions] = {name.lower(): i for i, name in enumerate(actions)}
     return table
+
+
+def check_separator(name: str, value: Any, symbols: Iterable[str]) -> str:
+    """``value`` as a cell separator of a text grid: a short string without newlines or any of the grid's symbols."""
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be a string, got {value!r} ({type(value).__name__})")
+    if len(value) > 4 or "\n" in value or any(s in value for s in symbols):
+        raise ValueError(f"`{name}` must be at most 4 characters with no newline and no grid symbol, got {value!r}")
+    return value
+
+
+def grid_text(rows: Iterable[Sequence[str]], separator: str = "") -> str:
+    """A text grid: one line per row, its cells joined by ``separator``.
+
+    RAGEN writes the cells side by side (``separator=""``). A BPE tokenizer then merges runs of them (SmolLM2 reads
+    ``____`` as one token and ``P__O`` as ``P``, ``__``, ``O``), so no token says which column it covers; ``" "``
+    gives every cell a token of its own (``_``, `` _``, `` P``, ...), the same state in another spelling.
+    """
+    return "\n".join(separator.join(row) for row in rows)
 
 
 def check_range(name: str, value: float, low: float | None = None, high: float | None = None) -> None:

@@ -16,7 +16,7 @@ import random
 from collections import deque
 from typing import Literal
 
-from ragen_pl.envs.base import Env, StepResult, check_int, check_range
+from ragen_pl.envs.base import Env, StepResult, check_int, check_range, check_separator, grid_text
 
 _MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up
 
@@ -33,6 +33,7 @@ class FrozenLake(Env):
         slippery: bool = True,
         max_steps: int = 100,
         layout: Literal["random", "corners"] = "random",
+        cell_separator: str = "",
         tag: str | None = None,
     ) -> None:
         """
@@ -43,6 +44,8 @@ class FrozenLake(Env):
             max_steps: the episode ends after this many env steps.
             layout: ``random`` start and goal on each map (RAGEN's; mean shortest path 2.8 moves on 4x4), or the
                 ``corners`` (Gymnasium's; 6.0 moves, a much harder task).
+            cell_separator: text between the cells of a row: ``""`` is RAGEN's layout; ``" "`` gives every cell
+                its own token under a BPE tokenizer (:func:`ragen_pl.envs.base.grid_text`). Same maps and rules.
             tag: metrics tag (default ``FrozenLake``).
         """
         super().__init__(tag)
@@ -56,6 +59,7 @@ class FrozenLake(Env):
         if layout not in ("random", "corners"):
             raise ValueError(f"`layout` must be 'random' or 'corners', got {layout!r}")
         self.layout = layout
+        self.cell_separator = check_separator("cell_separator", cell_separator, SYMBOLS.values())
         self.size, self.frozen_prob, self.slippery, self.max_steps = size, float(frozen_prob), slippery, max_steps
         self.holes: frozenset[tuple[int, int]] = frozenset()
         self.start, self.goal = (0, 0), (size - 1, size - 1)
@@ -109,8 +113,8 @@ class FrozenLake(Env):
                     )
                 else:
                     row.append(s["hole"] if cell in self.holes else s["goal"] if cell == self.goal else s["frozen"])
-            rows.append("".join(row))
-        return "\n".join(rows)
+            rows.append(row)
+        return grid_text(rows, self.cell_separator)
 
     def expert_action(self) -> str:
         if self._policy is None:

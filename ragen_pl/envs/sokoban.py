@@ -19,7 +19,7 @@ import random
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from ragen_pl.envs.base import Env, StepResult, check_int
+from ragen_pl.envs.base import Env, StepResult, check_int, check_separator, grid_text
 
 WALL, FLOOR, TARGET = 0, 1, 2
 
@@ -55,6 +55,7 @@ class Sokoban(Env):
         max_steps: int = 100,
         search_depth: int = 300,
         symbols: Mapping[str, str] | None = None,
+        cell_separator: str = "",
         tag: str | None = None,
     ) -> None:
         """
@@ -65,6 +66,8 @@ class Sokoban(Env):
             search_depth: depth bound of the reverse-play search (RAGEN's: 300 for 6x6, 10 for its 8x8/2-box
                 variant; smaller gives easier rooms).
             symbols: text vocabulary, a mapping with exactly the keys of ``DEFAULT_SYMBOLS``.
+            cell_separator: text between the cells of a row: ``""`` is RAGEN's layout; ``" "`` gives every cell
+                its own token under a BPE tokenizer (:func:`ragen_pl.envs.base.grid_text`). Same rooms and rules.
             tag: metrics tag (default ``Sokoban``).
         """
         super().__init__(tag)
@@ -84,6 +87,7 @@ class Sokoban(Env):
         self.rows, self.cols = int(dim_room[0]), int(dim_room[1])
         self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
         self.symbols = _check_symbols(symbols)
+        self.cell_separator = check_separator("cell_separator", cell_separator, self.symbols.values())
         self._deltas = tuple(dr * self.cols + dc for dr, dc in _DIRECTIONS)
         self.fixed: list[int] = [WALL] * (self.rows * self.cols)
         self.boxes: set[int] = set()
@@ -117,7 +121,7 @@ class Sokoban(Env):
             else:
                 cells.append(s["target"] if on_target else s["empty"])
         c = self.cols
-        return "\n".join("".join(cells[r * c : (r + 1) * c]) for r in range(self.rows))
+        return grid_text((cells[r * c : (r + 1) * c] for r in range(self.rows)), self.cell_separator)
 
     # ------------------------------------------------------------ episode
     def reset(self, seed: int) -> str:
@@ -131,8 +135,11 @@ class Sokoban(Env):
         )
 
     def load(self, grid: str) -> str:
-        """Start an episode from a hand-made grid written in this env's symbols (rows separated by newlines)."""
+        """Start an episode from a hand-made grid written in this env's symbols (rows separated by newlines, cells
+        by ``cell_separator``)."""
         rows = grid.strip("\n").split("\n")
+        if self.cell_separator:
+            rows = ["".join(row.split(self.cell_separator)) for row in rows]
         inverse = {v: k for k, v in self.symbols.items()}
         if len(rows) != self.rows or any(len(r) != self.cols for r in rows):
             raise ValueError(f"grid must be {self.rows}x{self.cols}, got {len(rows)} rows: {grid!r}")

@@ -112,3 +112,28 @@ def test_corners_layout_is_gymnasiums():
         assert (env.start, env.goal) == ((0, 0), (3, 3))
     with pytest.raises(ValueError, match=r"`layout` must be 'random' or 'corners', got 'middle'"):
         FrozenLake(layout="middle")  # type: ignore[arg-type]
+
+
+def test_cell_separator_spells_the_same_states():
+    """`cell_separator=" "` writes every cell apart (one BPE token each) and changes nothing else: the same maps,
+    the same slips and rewards, the same text once the separators are taken out."""
+    import random
+
+    plain, spaced = FrozenLake(), FrozenLake(cell_separator=" ")
+    rng = random.Random(0)
+    for seed in range(30):
+        a, b = plain.reset(seed), spaced.reset(seed)
+        assert b == "\n".join(" ".join(row) for row in a.splitlines())
+        for _ in range(10):
+            action = rng.choice(FrozenLake.actions)
+            (a, ra, da, ia), (b, rb, db, ib) = plain.step(action), spaced.step(action)
+            assert b.replace(" ", "") == a and (ra, da, ia) == (rb, db, ib)
+            if da:
+                break
+
+
+@pytest.mark.parametrize("sep, match", [("\n", "no newline"), ("_", "no grid symbol"), (" " * 5, "at most 4"),
+                                        (1, "must be a string")])
+def test_bad_cell_separator_names_the_field(sep, match):
+    with pytest.raises((TypeError, ValueError), match=rf"`cell_separator` {match}|`cell_separator` must .*{match}"):
+        FrozenLake(cell_separator=sep)

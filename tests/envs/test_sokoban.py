@@ -140,3 +140,19 @@ def test_difficulty_matches_ragen(dims, boxes, depth, rooms, ragen_mean):
     mean = sum(lengths) / len(lengths)
     assert abs(mean - ragen_mean) < 0.2, mean
     assert sum(n <= 10 for n in lengths) / len(lengths) >= 0.98
+
+
+def test_cell_separator_spells_the_same_rooms_and_loads_them():
+    """`cell_separator=" "`: the same rooms and moves, written with every cell apart; `load` reads that spelling."""
+    plain, spaced = Sokoban(), Sokoban(cell_separator=" ")
+    for seed in range(20):
+        a, b = plain.reset(seed), spaced.reset(seed)
+        assert b == "\n".join(" ".join(row) for row in a.splitlines())
+        for action in ("Up", "Left", "Down", "Right", "Up"):
+            (a, ra, da, ia), (b, rb, db, ib) = plain.step(action), spaced.step(action)
+            assert b.replace(" ", "") == a and (ra, da, ia) == (rb, db, ib)
+    spaced_room = "\n".join(" ".join(row) for row in ROOM.splitlines())
+    assert spaced.load(spaced_room) == spaced_room
+    assert spaced.player == 3 * 6 + 2 and spaced.boxes == {2 * 6 + 2}
+    with pytest.raises(ValueError, match="no grid symbol"):
+        Sokoban(cell_separator="#")
