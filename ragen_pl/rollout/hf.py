@@ -26,8 +26,11 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ragen_pl.dist import is_sharded, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
-from ragen_pl.rollout.prefix import PrefixCache
+from ragen_pl.rollout.prefix import Kept, PrefixCache
 from ragen_pl.rollout.sampling import Outputs, sample_next, truncates
+
+SHARED_PREFIX_MIN = 32
+"""Prompt tokens all prompts of a call must share before they are prefilled once (see ``HFEngine.share_prefix``)."""
 
 
 class HFEngine(RolloutEngine):
@@ -39,7 +42,7 @@ class HFEngine(RolloutEngine):
     """
 
     def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True,
-                 gather_sharded: bool = True, prefix_cache: bool = True) -> None:
+                 gather_sharded: bool = True, prefix_cache: bool = True, share_prefix: bool = True) -> None:
         """
         Args:
             seed: seed of the sampling generator; each process seeds with ``seed + rank``. Its state is
@@ -58,6 +61,10 @@ class HFEngine(RolloutEngine):
             prefix_cache: keep the KV of what each call fed until the next call, and prefill only the part of a
                 prompt past the longest kept sequence it starts with (a conversation's next turn). Costs the KV of
                 one turn's sequences between calls; false prefills every prompt whole.
+            share_prefix: prefill the prompt tokens every prompt of a call starts with (the system message and the
+                env's rules: half of each prompt of a ``context_window`` rollout) once, not once per prompt, when
+                they are at least ``SHARED_PREFIX_MIN`` tokens and longer than what a row kept. False prefills them
+                per prompt.
         """
         self.seed = seed
         self.sync_ranks = sync_ranks
@@ -69,6 +76,7 @@ class HFEngine(RolloutEngine):
         """The sampling generator, made on the model's device at the first ``generate`` (see ``_generator``)."""
         self._pending_state: dict | None = None
         self.prefix = PrefixCache() if prefix_cache else None
+        self.share_prefix = share_prefix
         self.prefilled_tokens = 0
         """Prompt tokens fed to the model so far (a kept prefix is not fed again); for benchmarks and tests."""
 
@@ -184,15 +192,18 @@ class HFEngine(RolloutEngine):
             attention[i, width - len(p):] = 1
         return input_ids.to(device), attention.to(device)
 
-    def _prefill_inputs(self, tok, prompts: list[list[int]], device: torch.device
+    def _prefill_inputs(self, model, tok, prompts: list[list[int]], device: torch.device
                         ) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]] | None]:
-        """What the prefill of ``prompts`` feeds, after taking each one's longest kept prefix (C columns at most).
+        """What the prefill of ``prompts`` feeds, after taking each one's longest kept prefix (C columns at most):
+        the kept sequence it extends, or the prefix all prompts share (see ``share_prefix``), whichever is longer.
 
         Returns ``input_ids`` (n, S), each prompt past its kept prefix, left-padded; ``attention`` (n, C + S), its
         real columns: the kept prefix right-aligned in the first C, then the fed tokens; ``past``: each layer's
         kept (keys, values), (n, H, C, D), or None when nothing was kept.
         """
         hits = self.prefix.take(prompts) if self.prefix is not None else [None] * len(prompts)
+        if self.share_prefix:
+            hits = self._shared_prefix(model, prompts, hits, device)
         kept = [0 if h is None else len(h.tokens) for h in hits]
         input_ids, fed = self._left_padded(tok, [p[c:] for p, c in zip(prompts, kept)], device)
         self.prefilled_tokens += int(sum(len(p) - c for p, c in zip(prompts, kept)))
@@ -208,6 +219,23 @@ class HFEngine(RolloutEngine):
             rows_v = [h.layers[layer][1] if h else v0[:, :0] for h in hits]
             past.append((_stack_left(rows_k), _stack_left(rows_v)))
         return input_ids, torch.cat([cached, fed], dim=-1), past
+
+    def _shared_prefix(self, model, prompts: list[list[int]], hits: list[Kept | None], device: torch.device
+                       ) -> list[Kept | None]:
+        """``hits``, with the prompts' common prefix (prefilled here, once) for the rows that kept less of it."""
+        if len(prompts) < 2:
+            return hits
+        n = min(_common_length(prompts), min(len(p) for p in prompts) - 1)  # each row feeds at least one token
+        if n < SHARED_PREFIX_MIN or all(h is not None and len(h.tokens) >= n for h in hits):
+            return hits
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([prompts[0][:n]], device=device), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        self.prefilled_tokens += n
+        shared = Kept(prompts[0][:n], [(layer.keys[0], layer.values[0]) for layer in cache.layers])
+        return [shared if h is None or len(h.tokens) < n else h for h in hits]
 
     def _keep(self, prompts: list[list[int]], out: Outputs, owners: list[int], batch: list[int],
               layers: list[tuple[Tensor, Tensor]], columns: Tensor) -> None:
@@ -246,7 +274,7 @@ class HFEngine(RolloutEngine):
         n = len(prompts)
         generator = self._generator(device)
         distinct, inverse = _distinct(prompts)
-        input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
+        input_ids, attention, past = self._prefill_inputs(model, tok, distinct, device)
         decoder = StaticDecoder(model, input_ids, attention, params.max_new_tokens, capture=capture,
                                 rows=torch.tensor(inverse, device=device) if len(distinct) < n else None, past=past)
         out = Outputs(n, tok, params)
@@ -309,7 +337,7 @@ class HFEngine(RolloutEngine):
         if n:
             # Identical prompts (a group's first turn) are prefilled once; their KV rows are then copied.
             distinct, inverse = _distinct(prompts)
-            input_ids, attention, past = self._prefill_inputs(tok, distinct, device)
+            input_ids, attention, past = self._prefill_inputs(model, tok, distinct, device)
             if past is not None:
                 cache = DynamicCache(ddp_cache_data=past)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
@@ -387,6 +415,14 @@ def _unsharded_copy(model: nn.Module, state_dict, dtype: torch.dtype | None = No
         copy = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
     copy.load_state_dict(state_dict)
     return copy.eval().requires_grad_(False)
+
+
+def _common_length(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix every prompt starts with."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], p[:n])) if a != b), n)
+    return n
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from ragen_pl.rollout.engine import SamplingParams
+from ragen_pl.rollout.hf import SHARED_PREFIX_MIN as HF_SHARED_MIN
 from ragen_pl.rollout.hf import HFEngine
 from ragen_pl.rollout.sampling import sample_next
 from tests.helpers import play_turns
@@ -259,6 +260,35 @@ def test_next_turn_prefills_only_what_is_new_with_the_same_answers(tiny, static)
     assert kept.prefilled_tokens == expected
     assert whole.prefilled_tokens == len(a) + len(b) + sum(len(p) for prompts, _ in without[1:] for p in prompts)
     assert kept.prefilled_tokens < whole.prefilled_tokens / 2
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_common_prompt_prefix_is_prefilled_once_with_the_same_answers(tiny, static):
+    """Prompts that share their first tokens (the rules, in a context-window rollout) prefill them once: the same
+    tokens and log-probs as prefilling each prompt whole, and the exact count of tokens fed."""
+    model, tok = tiny
+    rules = tok("You are solving the Sokoban puzzle. " * 6)["input_ids"]
+    assert len(rules) >= HF_SHARED_MIN
+    prompts = [rules + tok(f"Turn {k}:\nState:\n" + "#_" * k)["input_ids"] for k in (1, 2, 3, 2)]
+    shared, whole = HFEngine(), HFEngine(share_prefix=False)
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop=[])
+    results = []
+    for engine in (shared, whole):
+        engine.bind(model, tok)
+        with torch.no_grad():
+            if static:
+                results.append(engine._generate_static(model, tok, prompts, params, torch.device("cpu"),
+                                                       capture=False))
+            else:
+                results.append(engine.generate(prompts, params))
+    for prompt, g, r in zip(prompts, *results):
+        assert g.token_ids == r.token_ids
+        assert_logprobs_of_forward(model, prompt, g)
+    common = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    assert common >= len(rules)
+    distinct = prompts[:3]  # the fourth repeats the second
+    assert shared.prefilled_tokens == common + sum(len(p) - common for p in distinct)
+    assert whole.prefilled_tokens == sum(len(p) for p in distinct)
 
 
 def test_kept_prefixes_end_with_the_rollout_and_with_new_weights(tiny):
