@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.base import Env
-from ragen_pl.rollout.chat import ChatTokens
+from ragen_pl.rollout.chat import ChatTokens, WindowChat
 from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message
 from ragen_pl.scoring import scored_logits
 
@@ -64,7 +64,10 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
                 if done or used >= config.max_actions_per_episode:
                     break
                 user = next_user_message(turn + 2, reward, obs, config.max_actions_per_episode - used, fmt)
-            records.append({"system": config.system_prompt, "think": config.think, "turns": turns})
+            record = {"system": config.system_prompt, "think": config.think, "turns": turns}
+            if config.context_window is not None:  # each turn trains as its own row, as the rollout plays it
+                record.update(context_window=config.context_window, instructions=env.instructions)
+            records.append(record)
     return records
 
 
@@ -81,6 +84,27 @@ def encode(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
     except (KeyError, IndexError, TypeError) as err:
         raise ValueError(f"bad SFT record (needs system, turns[].user, turns[].assistant): {err!r}") from err
     return chat.ids, chat.sampled
+
+
+def encode_rows(record: dict, tokenizer) -> list[tuple[list[int], list[bool]]]:
+    """The training rows of one JSONL record: the whole conversation as one row (:func:`encode`), or, for a record
+    played with a context window (``context_window`` and ``instructions`` set), one row per turn: exactly the prompt
+    that turn's rollout would feed (:class:`~ragen_pl.rollout.chat.WindowChat`) and its answer."""
+    window = record.get("context_window")
+    if window is None:
+        return [encode(record, tokenizer)]
+    try:
+        turns = record["turns"]
+        chat = WindowChat(tokenizer, record["system"], turns[0]["user"], bool(record.get("think", True)),
+                          record["instructions"], int(window))
+        for i, turn in enumerate(turns):
+            chat.add_response(tokenizer(turn["assistant"], add_special_tokens=False)["input_ids"], i)
+            if i + 1 < len(turns):
+                chat.extend_user(turns[i + 1]["user"], ended_with_eos=False, max_prompt=10**9)
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise ValueError(f"bad SFT record (needs system, instructions, turns[].user, turns[].assistant): {err!r}") \
+            from err
+    return [(ids, sampled) for ids, sampled, *_ in chat.rows()]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -138,7 +162,8 @@ def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int
         accumulate: int = 1) -> float:
     """Fine-tune ``model_path`` on ``records`` and save model and tokenizer to ``out``; return the final loss.
 
-    Each of the ``steps`` optimiser steps sees ``batch_size`` records, in ``accumulate`` passes (less memory)."""
+    Each of the ``steps`` optimiser steps sees ``batch_size`` rows (a record, or one turn of a record played with a
+    context window), in ``accumulate`` passes (less memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if steps < 1 or batch_size < 1 or lr <= 0:
@@ -149,7 +174,7 @@ def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     model.train()
-    data = [encode(r, tokenizer) for r in records]
+    data = [row for r in records for row in encode_rows(r, tokenizer)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if batch_size % accumulate:
         raise ValueError(f"--batch-size ({batch_size}) must be a multiple of the accumulation ({accumulate})")

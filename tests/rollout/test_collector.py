@@ -310,3 +310,27 @@ def test_a_turn_past_the_context_ends_the_trajectory_truncated_and_warns_once_pe
         collector.collect(specs)
         warnings.warn("marker", UserWarning, stacklevel=1)
     assert [str(w.message) for w in again] == ["marker"]
+
+
+@pytest.mark.parametrize("window", [None, 1, 2])
+def test_sft_rows_are_the_rollout_rows_of_the_same_play(tiny, window):
+    """A demonstration (the warm start's data) trains on exactly the rows a rollout of the same play gives: one
+    sequence, or with a context window one row per turn, token for token, with the same loss mask."""
+    import random
+
+    from ragen_pl.sft import demonstrations, encode_rows
+
+    _, tok = tiny
+    config = RolloutConfig(max_turns=4, max_actions_per_turn=2, max_actions_per_episode=8, max_new_tokens=12,
+                           think=False, context_window=window)
+    record = demonstrations([Sokoban()], 1, config, seed=3)[0]
+    assert (record.get("context_window"), bool(record.get("instructions"))) == (window, window is not None)
+    rows = encode_rows(record, tok)
+    engine = Scripted(tok, lambda turn, _: record["turns"][turn]["assistant"])
+    seed = random.Random(3).randrange(2**31)  # the env seed demonstrations() drew for its first episode
+    batch = Collector(engine, tok, config).collect([EpisodeSpec(Sokoban(), seed=seed, group_id=0)]).batch
+    assert len(rows) == len(batch) == (1 if window is None else len(record["turns"]))
+    for b, (ids, mask) in enumerate(rows):
+        real = batch.attention_mask[b]
+        assert batch.input_ids[b][real].tolist() == ids
+        assert batch.loss_mask[b][real].tolist() == mask
