@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from real_llm import load_config, make_env, random_success  # noqa: E402
 
+from ragen_pl.hardware import cpu_has_native_bf16  # noqa: E402
+
 
 def evaluate(path: str, cfg: dict, temperature: float | None = None) -> dict[str, float]:
     import torch
@@ -43,7 +45,7 @@ def evaluate(path: str, cfg: dict, temperature: float | None = None) -> dict[str
     env = make_env(data["env"])
     start = data.get("val_seed", 1_000_000)
     specs = [EpisodeSpec(env, seed=start + i, group_id=i) for i in range(data["val_episodes"])]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16()):
         result = Collector(engine, tok, RolloutConfig(**data["rollout"])).collect(
             specs, temperature=data.get("val_temperature", 0.5) if temperature is None else temperature)
     m = episode_metrics(result.episodes)
@@ -123,7 +125,7 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
         prompts.append(ChatTokens(tok, rollout.system_prompt, first, rollout.think).ids)
         optimal.append(optimal_first_actions(env))
         values.append(action_values(env))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16()):
         gens = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=rollout.max_new_tokens))
     hits, q_model = 0, 0.0
     for gen, best, qs in zip(gens, optimal, values):
@@ -169,7 +171,7 @@ def main() -> int:
         out = root / f"solver-sft-{total}"
         t = time.perf_counter()
         loss = sft(model, records, out, steps=total - done, lr=args.lr, batch_size=8, seed=total, progress=False,
-                   precision="bf16-mixed", accumulate=4)
+                   precision="bf16-mixed" if cpu_has_native_bf16() else "32-true", accumulate=4)
         model, done = str(out), total
         print(f"solver SFT, {total} steps ({len(records)} episodes, final loss {loss:.3f}, "
               f"{time.perf_counter() - t:.0f} s): {reading_accuracy(model, cfg)}", flush=True)

@@ -111,15 +111,21 @@ def main() -> int:
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached warm start, to time it")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 to run two seeds side by side)")
+    parser.add_argument("--precision", default="auto", help="the trainer's precision; auto: bf16-mixed on a CPU "
+                        "with bf16 instructions (avx512_bf16, amx_bf16), 32-true on one without (bf16 is several "
+                        "times slower there)")
     args, extra = parser.parse_known_args()  # anything else goes to `ragen-pl fit` (e.g. --data.n_groups=4)
 
     import torch
 
     from ragen_pl.cli import main as cli
+    from ragen_pl.hardware import cpu_has_native_bf16
     from ragen_pl.models.smollm2 import build_smollm2_warm
 
     torch.set_num_threads(args.threads)
-    extra = [f"--torch_threads={args.threads}", *extra]
+    precision = args.precision if args.precision != "auto" else "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+    print(f"precision {precision}, {args.threads} torch thread(s)", flush=True)
+    extra = [f"--torch_threads={args.threads}", f"--trainer.precision={precision}", *extra]
     cfg = load_config(args.env)
     for arg in extra:  # evaluation overrides given for the fit hold for the random baseline too
         for key in ("val_episodes", "val_seed"):

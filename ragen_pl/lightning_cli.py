@@ -185,6 +185,7 @@ class RagenCLI(LightningCLI):
                     if logger._version is None:
                         logger._version = claim_version(logger.root_dir)
                     lock_run_folder(logger.log_dir)
+        _warn_slow_precision(trainer)
         have = {type(cb) for cb in trainer.callbacks}
         for cb in default_callbacks():
             if type(cb) in have:
@@ -262,6 +263,19 @@ class RagenCLI(LightningCLI):
             import torch
 
             torch.set_num_threads(threads)
+
+
+def _warn_slow_precision(trainer) -> None:
+    """bf16 on a CPU without bf16 instructions runs, but several times slower than float32: say so in one line."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from ragen_pl.hardware import cpu_has_native_bf16
+
+    precision = str(trainer.precision)
+    if isinstance(trainer.accelerator, CPUAccelerator) and precision.startswith("bf16") and not cpu_has_native_bf16():
+        rank_zero_warn(f"`--trainer.precision={precision}` on a CPU without bf16 instructions (avx512_bf16, "
+                       f"amx_bf16) runs several times slower than float32 here; drop it (32-true) on this machine")
 
 
 def run_lightning_cli(argv: list[str]) -> int:

@@ -81,3 +81,22 @@ def test_config_object_errors_are_one_line(capsys, tiny_model_path, flag, expect
 def test_unknown_settings_of_a_config_object(capsys, flag, expected):
     lines = _error(capsys, [*QUICK, flag, "--print_config"])
     assert lines == [expected, "Full usage: ragen-pl fit --help"]
+
+
+@pytest.mark.parametrize("native, warned", [(False, True), (True, False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named(tiny_model_path, tmp_path, monkeypatch, native, warned):
+    """bf16 autocast runs 5x slower than float32 on a CPU without bf16 instructions (an AVX2 EPYC): one warning."""
+    import warnings
+
+    from ragen_pl import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*QUICK, f"--model.model={tiny_model_path}", "--trainer.max_steps=0", "--trainer.logger=false",
+                     "--trainer.precision=bf16-mixed", "--trainer.limit_val_batches=0"]) == 0
+    named = [str(w.message) for w in caught if "without bf16 instructions" in str(w.message)]
+    assert named == ([
+        "`--trainer.precision=bf16-mixed` on a CPU without bf16 instructions (avx512_bf16, amx_bf16) runs several "
+        "times slower than float32 here; drop it (32-true) on this machine"] if warned else [])

@@ -1,0 +1,27 @@
+"""What the machine computes fast: whether this CPU has native bfloat16 instructions.
+
+bf16 autocast is a large speed-up where the CPU multiplies bf16 natively (AVX512-BF16, AMX) and a large slow-down
+where it does not: on an AMD EPYC (Zen 3, AVX2 only) a SmolLM2-135M forward ran 5x slower under bf16 autocast than
+in float32 (``python benchmarks/train_step.py --compare-only`` prints both on the machine at hand).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+__all__ = ["cpu_has_native_bf16"]
+
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU lists a bfloat16 instruction set (Linux's /proc/cpuinfo), else oneDNN's own check."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        import torch
+
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return any(flag in flags for flag in _BF16_FLAGS)
