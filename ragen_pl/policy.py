@@ -118,8 +118,22 @@ def load_models(path: str, *, critic: Literal["separate", "shared"] | None, kl: 
             from peft import LoraConfig, get_peft_model
         except ImportError as err:
             raise ImportError("`--model.lora` needs peft: pip install 'ragen-pl[peft]'") from err
+        targets, layers = lora.target_modules, None
+        if lora.last_layers is not None:
+            n = policy.config.num_hidden_layers
+            if lora.last_layers > n:
+                raise ValueError(f"`--model.lora.last_layers` must be at most the model's {n} layers, got "
+                                 f"{lora.last_layers}")
+            layers = list(range(n - lora.last_layers, n))
+            if targets == "all-linear":  # peft takes layer indices only with module names: the layers' linears
+                targets = sorted({name.rsplit(".", 1)[-1] for name, m in policy.named_modules()
+                                  if isinstance(m, nn.Linear) and ".layers." in name})
+            elif isinstance(targets, str):
+                raise ValueError(f"`--model.lora.last_layers` needs `--model.lora.target_modules` all-linear or a "
+                                 f"list of module names, got {targets!r}")
         policy = get_peft_model(policy, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                   target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+                                                   target_modules=targets, task_type="CAUSAL_LM",
+                                                   layers_to_transform=layers))
     models = Models(policy.train(), lora=lora is not None)  # transformers loads models in eval mode
     if critic == "separate":
         backbone = AutoModel.from_pretrained(path, dtype=dtype)

@@ -342,3 +342,32 @@ def test_an_empty_filter_skips_the_update_and_stops_after_empty_stop_steps(tiny_
     assert float(m["filter/empty_in_a_row"]) == 2.0
     for n, p in module.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_lora_on_the_last_layers_trains_them_and_stops_backward_there(tiny_model_path):
+    """`--model.lora.last_layers=1`: adapters in the last decoder layer only, every one of them trained; the layers
+    below run without autograd (their outputs need no grad), so backward never enters them."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from ragen_pl.config import LoraSettings
+
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(), lora=LoraSettings(r=4, alpha=8, last_layers=1),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
+    layers = module.policy.get_base_model().model.layers
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    assert trained and all(f"layers.{len(layers) - 1}." in n and "lora_" in n for n in trained)
+    needs_grad = {}
+    hooks = [layer.register_forward_hook(lambda m, a, out, i=i: needs_grad.setdefault(i, set()).add(
+        (out[0] if isinstance(out, tuple) else out).requires_grad)) for i, layer in enumerate(layers)]
+    try:
+        trainer(1).fit(module, dm)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert needs_grad[len(layers) - 1] == {True, False}  # the update's forward (rollouts run without grad)
+    assert all(needs_grad[i] == {False} for i in range(len(layers) - 1))
+    unchanged = [n for n, p in module.named_parameters() if p.requires_grad and torch.equal(p, trained[n])]
+    assert not unchanged, unchanged[:3]
+    with pytest.raises(ValueError, match=r"`--model.lora.last_layers` must be at most the model's \d+ layers, got 99"):
+        RagenModule(str(tiny_model_path), lora=LoraSettings(last_layers=99))
