@@ -120,7 +120,8 @@ def frozenlake_rollout(n: int = 32):
     engine = HFEngine(seed=0)
     engine.bind(model, tok)
     groups = max(1, n // 4)
-    specs = [EpisodeSpec(FrozenLake(), seed=g, group_id=g) for g in range(groups) for _ in range(n // groups)]
+    env = FrozenLake(**(cfg["data"]["env"].get("init_args") or {}))
+    specs = [EpisodeSpec(env, seed=g, group_id=g) for g in range(groups) for _ in range(n // groups)]
     batch = Collector(engine, tok, RolloutConfig(**cfg["data"]["rollout"])).collect(specs).batch
     return model, batch
 

@@ -1,0 +1,170 @@
+"""Can SmolLM2-135M read the board? A linear probe on its hidden states where it starts to answer.
+
+    python benchmarks/probe_reading.py [--env frozenlake|sokoban] [--train 768] [--test 256] [--layers 10 20 30]
+
+For each grid spelling (RAGEN's cells side by side, and ``cell_separator=" "``: every cell its own token), the
+first-turn prompts of ``--train`` + ``--test`` boards (the exact rollout prompt of ``configs/smollm2-<env>.yaml``) run
+through SmolLM2-135M-Instruct (``--model warm``: the config's format warm start, the RL runs' step 0, taught on
+the config's spelling), and the hidden state at the last prompt token (where the answer
+starts) of each ``--layers`` layer is kept. A logistic regression per layer, fit on the training boards, then predicts
+the optimal first action of held-out boards (FrozenLake: the highest finite-horizon success probability by value
+iteration; Sokoban: a first move of a shortest solution). Printed beside:
+
+* chance: a uniformly random action's hit rate on the same boards (an optimal set can hold several actions);
+* the majority action of the training boards;
+* the ceiling of a linear reader: the same regression on a one-hot code of every cell's symbol (the board itself).
+
+A layer whose probe beats chance clearly holds what the policy needs to act on the board; one at chance shows the
+model's representation of that spelling does not carry it (the I(X;Z) ~ 0 of the RL runs). A diagnostic, never a
+result: nothing here trains the policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from probe_solver_sft import optimal_first_actions  # noqa: E402
+from real_llm import load_config  # noqa: E402
+
+
+def boards(cfg: dict, separator: str, seeds: range) -> tuple[list[str], list[set[str]], list[str]]:
+    """First-turn prompt texts, optimal first-action sets and plain grids of ``seeds``."""
+    from ragen_pl import registry
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.prompt import first_user_message, format_instruction
+
+    data = cfg["data"]
+    rollout = RolloutConfig(**data["rollout"])
+    fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
+    args = {**(data["env"].get("init_args") or {}), "cell_separator": separator}
+    users, optimal, grids = [], [], []
+    for seed in seeds:
+        env = registry.resolve("envs", data["env"]["class_path"], **args)
+        obs = env.reset(seed)
+        users.append(first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt))
+        optimal.append(optimal_first_actions(env))
+        grids.append(obs.replace(separator, "") if separator else obs)
+    return users, optimal, grids
+
+
+def hidden_states(model, tok, cfg: dict, users: list[str], layers: list[int], batch: int = 32):
+    """(n, len(layers), H) hidden states at the last prompt token; the prompts' common prefix runs once."""
+    import torch
+    from transformers import DynamicCache
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import ChatTokens
+
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
+    prompts = [ChatTokens(tok, rollout.system_prompt, u, rollout.think).ids for u in users]
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(prompts[0][:n], p[:n])) if a != b), n)
+    out = []
+    with torch.no_grad():
+        prefix = DynamicCache()
+        model(input_ids=torch.tensor([prompts[0][:n]]), past_key_values=prefix, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in prefix.layers]
+        for start in range(0, len(prompts), batch):
+            rows = [p[n:] for p in prompts[start:start + batch]]
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([r + [tok.pad_token_id or 0] * (width - len(r)) for r in rows])  # right-padded
+            real = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            cache = DynamicCache(ddp_cache_data=[(k.expand(len(rows), -1, -1, -1).contiguous(),
+                                                  v.expand(len(rows), -1, -1, -1).contiguous()) for k, v in kv])
+            res = model(input_ids=ids, attention_mask=torch.cat([real.new_ones(len(rows), n), real], 1),
+                        position_ids=n + torch.arange(width).expand(len(rows), -1), past_key_values=cache,
+                        output_hidden_states=True)
+            last = real.sum(1) - 1
+            out.append(torch.stack([res.hidden_states[layer][torch.arange(len(rows)), last] for layer in layers], 1))
+    return torch.cat(out).float()
+
+
+def fit_predict(x_train, y_train, x_test, steps: int = 300, weight_decay: float = 1e-3):
+    """Multinomial logistic regression (standardised features, L-BFGS); predicted classes of ``x_test``."""
+    import torch
+
+    mean, std = x_train.mean(0), x_train.std(0) + 1e-6
+    a, b = (x_train - mean) / std, (x_test - mean) / std
+    w = torch.zeros(a.shape[1], int(y_train.max()) + 1, requires_grad=True)
+    bias = torch.zeros(w.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([w, bias], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(a @ w + bias, y_train) + weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return (b @ w + bias).argmax(-1)
+
+
+def one_hot_grids(grids: list[str]):
+    import torch
+
+    symbols = sorted({ch for g in grids for ch in g if ch != "\n"})
+    cells = [g.replace("\n", "") for g in grids]
+    x = torch.zeros(len(grids), len(cells[0]) * len(symbols))
+    for i, c in enumerate(cells):
+        for j, ch in enumerate(c):
+            x[i, j * len(symbols) + symbols.index(ch)] = 1.0
+    return x
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
+    parser.add_argument("--train", type=int, default=768)
+    parser.add_argument("--test", type=int, default=256)
+    parser.add_argument("--layers", type=int, nargs="+", default=[10, 20, 30])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=("raw", "warm"), default="raw",
+                        help="SmolLM2-135M-Instruct itself (the same for both spellings), or the config's warm start "
+                             "(taught on the config's spelling)")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl import registry
+    from ragen_pl.models.smollm2 import build_smollm2, build_smollm2_warm
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.env)
+    path = build_smollm2_warm(args.env, progress=False) if args.model == "warm" else build_smollm2()
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    actions = list(registry.resolve("envs", cfg["data"]["env"]["class_path"]).actions)
+    train, test = range(args.train), range(1_000_000, 1_000_000 + args.test)
+    print(f"{args.env}: optimal first action of {args.test} held-out boards from a linear probe fit on {args.train}, "
+          f"hidden state at the last prompt token of {path.name}")
+    for separator in ("", " "):
+        start = time.perf_counter()
+        users_tr, opt_tr, grids_tr = boards(cfg, separator, train)
+        users_te, opt_te, grids_te = boards(cfg, separator, test)
+        y = torch.tensor([actions.index(sorted(o)[0]) for o in opt_tr])  # one label per board (sets rarely tie)
+
+        def hits(pred, optimal=opt_te) -> float:
+            return sum(actions[int(p)] in o for p, o in zip(pred, optimal)) / len(optimal)
+
+        h_tr = hidden_states(model, tok, cfg, users_tr, args.layers)
+        h_te = hidden_states(model, tok, cfg, users_te, args.layers)
+        chance = sum(len(o) for o in opt_te) / (len(actions) * len(opt_te))
+        majority = int(torch.bincount(y).argmax())
+        ceiling = hits(fit_predict(one_hot_grids(grids_tr), y, one_hot_grids(grids_te)))
+        layers = ", ".join(f"layer {layer} {hits(fit_predict(h_tr[:, i], y, h_te[:, i])):.3f}"
+                           for i, layer in enumerate(args.layers))
+        name = "cells side by side (RAGEN)" if not separator else f"cells apart ({separator!r})"
+        print(f"  {name}: {layers}; chance {chance:.3f}, majority action {hits([majority] * len(opt_te)):.3f}, "
+              f"one-hot board {ceiling:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
