@@ -22,15 +22,11 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from ragen_pl.dist import is_sharded, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
-from ragen_pl.rollout.prefix import Kept, PrefixCache
+from ragen_pl.rollout.prefix import PrefixCache, kept_past, shared_prefix
 from ragen_pl.rollout.sampling import Outputs, sample_next, truncates
-
-SHARED_PREFIX_MIN = 32
-"""Prompt tokens all prompts of a call must share before they are prefilled once (see ``HFEngine.share_prefix``)."""
 
 
 class HFEngine(RolloutEngine):
@@ -203,39 +199,16 @@ class HFEngine(RolloutEngine):
         """
         hits = self.prefix.take(prompts) if self.prefix is not None else [None] * len(prompts)
         if self.share_prefix:
-            hits = self._shared_prefix(model, prompts, hits, device)
+            hits, fed_once = shared_prefix(model, prompts, hits, device)
+            self.prefilled_tokens += fed_once
         kept = [0 if h is None else len(h.tokens) for h in hits]
         input_ids, fed = self._left_padded(tok, [p[c:] for p, c in zip(prompts, kept)], device)
         self.prefilled_tokens += int(sum(len(p) - c for p, c in zip(prompts, kept)))
         width = max(kept)
         if width == 0:
             return input_ids, fed, None
-        columns = torch.arange(width)
-        cached = (columns >= width - torch.tensor(kept)[:, None]).to(device=device, dtype=fed.dtype)
-        example = next(h for h in hits if h is not None).layers
-        past = []
-        for layer, (k0, v0) in enumerate(example):
-            rows_k = [h.layers[layer][0] if h else k0[:, :0] for h in hits]
-            rows_v = [h.layers[layer][1] if h else v0[:, :0] for h in hits]
-            past.append((_stack_left(rows_k), _stack_left(rows_v)))
-        return input_ids, torch.cat([cached, fed], dim=-1), past
-
-    def _shared_prefix(self, model, prompts: list[list[int]], hits: list[Kept | None], device: torch.device
-                       ) -> list[Kept | None]:
-        """``hits``, with the prompts' common prefix (prefilled here, once) for the rows that kept less of it."""
-        if len(prompts) < 2:
-            return hits
-        n = min(_common_length(prompts), min(len(p) for p in prompts) - 1)  # each row feeds at least one token
-        if n < SHARED_PREFIX_MIN or all(h is not None and len(h.tokens) >= n for h in hits):
-            return hits
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        model(input_ids=torch.tensor([prompts[0][:n]], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
-        self.prefilled_tokens += n
-        shared = Kept(prompts[0][:n], [(layer.keys[0], layer.values[0]) for layer in cache.layers])
-        return [shared if h is None or len(h.tokens) < n else h for h in hits]
+        cached = (torch.arange(width) >= width - torch.tensor(kept)[:, None]).to(device=device, dtype=fed.dtype)
+        return input_ids, torch.cat([cached, fed], dim=-1), kept_past(hits)
 
     def _keep(self, prompts: list[list[int]], out: Outputs, owners: list[int], batch: list[int],
               layers: list[tuple[Tensor, Tensor]], columns: Tensor) -> None:
@@ -391,11 +364,6 @@ def _draw(logits: Tensor, params: SamplingParams, generator, with_kept: bool) ->
     return ids, lps, None
 
 
-def _stack_left(rows: list[Tensor]) -> Tensor:
-    """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
-    return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
-
-
 def _unsharded_copy(model: nn.Module, state_dict, dtype: torch.dtype | None = None) -> nn.Module:
     """A plain transformers model of ``model``'s architecture holding ``state_dict``, on the device it computes on.
 
@@ -415,14 +383,6 @@ def _unsharded_copy(model: nn.Module, state_dict, dtype: torch.dtype | None = No
         copy = AutoModelForCausalLM.from_config(base.config, dtype=dtype)
     copy.load_state_dict(state_dict)
     return copy.eval().requires_grad_(False)
-
-
-def _common_length(prompts: list[list[int]]) -> int:
-    """Length of the longest prefix every prompt starts with."""
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(first[:n], p[:n])) if a != b), n)
-    return n
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

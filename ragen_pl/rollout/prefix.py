@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["Kept", "PrefixCache"]
+__all__ = ["SHARED_PREFIX_MIN", "Kept", "PrefixCache", "kept_past", "shared_prefix"]
+
+SHARED_PREFIX_MIN = 32
+"""Prompt tokens all prompts of a call must share before they are prefilled once (see ``HFEngine.share_prefix``)."""
 
 
 @dataclass
@@ -53,3 +58,45 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._kept.values())
+
+
+def shared_prefix(model, prompts: list[list[int]], hits: list[Kept | None], device: torch.device
+                  ) -> tuple[list[Kept | None], int]:
+    """``hits``, with the prompts' common prefix (at least ``SHARED_PREFIX_MIN`` tokens, prefilled here once) for
+    the rows that kept less of it; and the number of tokens that prefill fed."""
+    if len(prompts) < 2:
+        return hits, 0
+    n = min(common_length(prompts), min(len(p) for p in prompts) - 1)  # each row feeds at least one token
+    if n < SHARED_PREFIX_MIN or all(h is not None and len(h.tokens) >= n for h in hits):
+        return hits, 0
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([prompts[0][:n]], device=device), past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    shared = Kept(prompts[0][:n], [(layer.keys[0], layer.values[0]) for layer in cache.layers])
+    return [shared if h is None or len(h.tokens) < n else h for h in hits], n
+
+
+def kept_past(hits: list[Kept | None]) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's (keys, values) of the rows' kept prefixes, (n, H, C, D), right-aligned to the longest (C)."""
+    example = next(h for h in hits if h is not None).layers
+    past = []
+    for layer, (k0, v0) in enumerate(example):
+        rows_k = [h.layers[layer][0] if h else k0[:, :0] for h in hits]
+        rows_v = [h.layers[layer][1] if h else v0[:, :0] for h in hits]
+        past.append((_stack_left(rows_k), _stack_left(rows_v)))
+    return past
+
+
+def common_length(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix every prompt starts with."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], p[:n])) if a != b), n)
+    return n
+
+
+def _stack_left(rows: list[Tensor]) -> Tensor:
+    """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
+    return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)

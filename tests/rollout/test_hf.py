@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from ragen_pl.rollout.engine import SamplingParams
-from ragen_pl.rollout.hf import SHARED_PREFIX_MIN as HF_SHARED_MIN
 from ragen_pl.rollout.hf import HFEngine
+from ragen_pl.rollout.prefix import SHARED_PREFIX_MIN as HF_SHARED_MIN
 from ragen_pl.rollout.sampling import sample_next
 from tests.helpers import play_turns
 
