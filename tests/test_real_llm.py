@@ -20,7 +20,8 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), "--env", "frozenlake", "--minutes", "0.02",
          "--max-steps", "2", "--random-repeats", "2", "--out", str(tmp_path / "runs"), f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
-         "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4"],
+         "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
+         "--model.lora.last_layers=1"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout

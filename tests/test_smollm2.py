@@ -110,6 +110,7 @@ def test_warm_start_recipe_is_its_configs_layout(env):
     assert config["model"]["model"] == f"{SMOLLM2}-warm-{env}"
     assert config["data"]["env"]["class_path"] == recipe.env
     assert config["data"]["rollout"] == recipe.rollout
+    assert (config["data"]["env"].get("init_args") or {}) == recipe.env_args
 
 
 def test_unknown_warm_start_names_the_known_ones():

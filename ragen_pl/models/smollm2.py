@@ -48,10 +48,12 @@ class WarmStart:
 SMOLLM2_WARM = {
     "bandit": WarmStart("ragen_pl.envs.bandit.Bandit", dict(max_turns=1, max_actions_per_turn=1,
                         max_actions_per_episode=1, max_new_tokens=8, think=False), episodes=256, steps=12),
-    "frozenlake": WarmStart("ragen_pl.envs.frozen_lake.FrozenLake", dict(max_turns=5, max_actions_per_turn=2,
-                            max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24),
+    "frozenlake": WarmStart("ragen_pl.envs.frozen_lake.FrozenLake", dict(
+        max_turns=10, max_actions_per_turn=1, max_actions_per_episode=10, max_new_tokens=8, think=False,
+        context_window=1), episodes=128, steps=24, env_args={"cell_separator": " "}),
     "sokoban": WarmStart("ragen_pl.envs.sokoban.Sokoban", dict(max_turns=5, max_actions_per_turn=2,
-                         max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24),
+                         max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24,
+                         env_args={"cell_separator": " "}),
 }
 SMOLLM2_WARM_VERSION = 1
 
