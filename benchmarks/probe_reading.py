@@ -1,6 +1,7 @@
 """Can SmolLM2-135M read the board? A linear probe on its hidden states where it starts to answer.
 
     python benchmarks/probe_reading.py [--env frozenlake|sokoban] [--train 768] [--test 256] [--layers 10 20 30]
+                                       [--play 4]
 
 For each grid spelling (RAGEN's cells side by side, and ``cell_separator=" "``: every cell its own token), the
 first-turn prompts of ``--train`` + ``--test`` boards (the exact rollout prompt of ``configs/smollm2-<env>.yaml``) run
@@ -15,13 +16,19 @@ iteration; Sokoban: a first move of a shortest solution). Printed beside:
 * the ceiling of a linear reader: the same regression on a one-hot code of every cell's symbol (the board itself).
 
 A layer whose probe beats chance clearly holds what the policy needs to act on the board; one at chance shows the
-model's representation of that spelling does not carry it (the I(X;Z) ~ 0 of the RL runs). A diagnostic, never a
-result: nothing here trains the policy.
+model's representation of that spelling does not carry it (the I(X;Z) ~ 0 of the RL runs).
+
+``--play N`` then plays the config's evaluation seeds (N plays each, its action budget) with the probe of the last
+``--layers`` layer on the config's spelling as the policy (each board's hidden state, read from the first-turn
+prompt of that board, gives the action), beside uniformly random actions and the optimal policy's first action
+at every state: how far a policy that reads the board as the probe does gets, against the bar of the RL runs
+(random + 0.10). A diagnostic, never a result: nothing here trains the policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -33,21 +40,30 @@ from probe_solver_sft import optimal_first_actions  # noqa: E402
 from real_llm import load_config  # noqa: E402
 
 
-def boards(cfg: dict, separator: str, seeds: range) -> tuple[list[str], list[set[str]], list[str]]:
-    """First-turn prompt texts, optimal first-action sets and plain grids of ``seeds``."""
+def make_env(cfg: dict, separator: str):
     from ragen_pl import registry
+
+    spec = cfg["data"]["env"]
+    return registry.resolve("envs", spec["class_path"], **{**(spec.get("init_args") or {}), "cell_separator": separator})
+
+
+def first_turn(cfg: dict, env, obs: str) -> str:
+    """The first-turn user message the rollout writes for a board ``obs`` of ``env``."""
     from ragen_pl.config import RolloutConfig
     from ragen_pl.rollout.prompt import first_user_message, format_instruction
 
-    data = cfg["data"]
-    rollout = RolloutConfig(**data["rollout"])
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
     fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
-    args = {**(data["env"].get("init_args") or {}), "cell_separator": separator}
+    return first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt)
+
+
+def boards(cfg: dict, separator: str, seeds: range) -> tuple[list[str], list[set[str]], list[str]]:
+    """First-turn prompt texts, optimal first-action sets and plain grids of ``seeds``."""
     users, optimal, grids = [], [], []
     for seed in seeds:
-        env = registry.resolve("envs", data["env"]["class_path"], **args)
+        env = make_env(cfg, separator)
         obs = env.reset(seed)
-        users.append(first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt))
+        users.append(first_turn(cfg, env, obs))
         optimal.append(optimal_first_actions(env))
         grids.append(obs.replace(separator, "") if separator else obs)
     return users, optimal, grids
@@ -88,10 +104,15 @@ def hidden_states(model, tok, cfg: dict, users: list[str], layers: list[int], ba
 
 def fit_predict(x_train, y_train, x_test, steps: int = 300, weight_decay: float = 1e-3):
     """Multinomial logistic regression (standardised features, L-BFGS); predicted classes of ``x_test``."""
+    return fit(x_train, y_train, steps, weight_decay)(x_test)
+
+
+def fit(x_train, y_train, steps: int = 300, weight_decay: float = 1e-3):
+    """The fitted regression of ``fit_predict``, as a function from features to predicted classes."""
     import torch
 
     mean, std = x_train.mean(0), x_train.std(0) + 1e-6
-    a, b = (x_train - mean) / std, (x_test - mean) / std
+    a = (x_train - mean) / std
     w = torch.zeros(a.shape[1], int(y_train.max()) + 1, requires_grad=True)
     bias = torch.zeros(w.shape[1], requires_grad=True)
     opt = torch.optim.LBFGS([w, bias], max_iter=steps, line_search_fn="strong_wolfe")
@@ -103,7 +124,48 @@ def fit_predict(x_train, y_train, x_test, steps: int = 300, weight_decay: float 
         return loss
 
     opt.step(closure)
-    return (b @ w + bias).argmax(-1)
+    w, bias = w.detach(), bias.detach()
+    return lambda x: (((x - mean) / std) @ w + bias).argmax(-1)
+
+
+def play(cfg: dict, separator: str, policies: dict, plays: int) -> dict[str, float]:
+    """Success of each policy (a function from a batch of envs to their actions) over the config's evaluation seeds,
+    ``plays`` episodes each, with the config's per-episode action budget."""
+    data = cfg["data"]
+    budget = data["rollout"].get("max_actions_per_episode", 10)
+    first = data.get("val_seed", 1_000_000)
+    result = {}
+    for name, policy in policies.items():
+        envs = [make_env(cfg, separator) for _ in range(data["val_episodes"] * plays)]
+        for i, env in enumerate(envs):
+            env.reset(first + i // plays)
+        live, wins = list(range(len(envs))), 0
+        for _ in range(budget):
+            if not live:
+                break
+            for i, action in zip(list(live), policy([envs[i] for i in live])):
+                _, _, done, info = envs[i].step(action)
+                wins += bool(info.get("success"))
+                if done or info.get("success"):
+                    live.remove(i)
+        result[name] = wins / len(envs)
+    return result
+
+
+def probe_policy(model, tok, cfg: dict, layer: int, predict, actions: list[str]):
+    """The probe as a policy: each board's first-turn hidden state at ``layer`` (computed once per board) gives
+    its action."""
+    known: dict[str, str] = {}
+
+    def act(envs) -> list[str]:
+        obs = [env.render() for env in envs]
+        new = sorted({o for o in obs if o not in known})
+        if new:
+            h = hidden_states(model, tok, cfg, [first_turn(cfg, envs[0], o) for o in new], [layer])[:, 0]
+            known.update(zip(new, (actions[int(a)] for a in predict(h))))
+        return [known[o] for o in obs]
+
+    return act
 
 
 def one_hot_grids(grids: list[str]):
@@ -128,6 +190,10 @@ def main() -> int:
     parser.add_argument("--model", choices=("raw", "warm"), default="raw",
                         help="SmolLM2-135M-Instruct itself (the same for both spellings), or the config's warm start "
                              "(taught on the config's spelling)")
+    parser.add_argument("--spellings", choices=("both", "config"), default="both",
+                        help="both grid spellings, or only the config's")
+    parser.add_argument("--play", type=int, default=0, metavar="N",
+                        help="then play the evaluation seeds N times each with the last layer's probe as the policy")
     args = parser.parse_args()
 
     import torch
@@ -144,7 +210,8 @@ def main() -> int:
     train, test = range(args.train), range(1_000_000, 1_000_000 + args.test)
     print(f"{args.env}: optimal first action of {args.test} held-out boards from a linear probe fit on {args.train}, "
           f"hidden state at the last prompt token of {path.name}")
-    for separator in ("", " "):
+    spelling = (cfg["data"]["env"].get("init_args") or {}).get("cell_separator", "")
+    for separator in ("", " ") if args.spellings == "both" else (spelling,):
         start = time.perf_counter()
         users_tr, opt_tr, grids_tr = boards(cfg, separator, train)
         users_te, opt_te, grids_te = boards(cfg, separator, test)
@@ -163,6 +230,18 @@ def main() -> int:
         name = "cells side by side (RAGEN)" if not separator else f"cells apart ({separator!r})"
         print(f"  {name}: {layers}; chance {chance:.3f}, majority action {hits([majority] * len(opt_te)):.3f}, "
               f"one-hot board {ceiling:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if args.play and separator == spelling:
+            start, rng = time.perf_counter(), random.Random(0)
+            policies = {
+                "random": lambda envs, rng=rng: [rng.choice(actions) for _ in envs],
+                f"probe (layer {args.layers[-1]})": probe_policy(model, tok, cfg, args.layers[-1],
+                                                                 fit(h_tr[:, -1], y), actions),
+                "optimal": lambda envs: [sorted(optimal_first_actions(env))[0] for env in envs],
+            }
+            played = play(cfg, separator, policies, args.play)
+            print(f"  playing {cfg['data']['val_episodes']} evaluation seeds x {args.play} with this spelling: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in played.items())
+                  + f" ({time.perf_counter() - start:.0f} s)", flush=True)
     return 0
 
 
