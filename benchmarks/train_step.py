@@ -5,8 +5,9 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    seconds and share of the iteration. "Model" time is the engine's generation plus scoring (old log-probs and
    values, forward only) plus the update (forward, backward, optimiser). Target: everything else (env steps,
    tokenisation, filtering, advantage math, logging, Lightning) stays under 15% of the iteration.
-2. ``--compare``: one rollout of 32 SmolLM2 FrozenLake trajectories (``configs/smollm2-frozenlake.yaml``'s warm start
-   and settings), then one update over it two ways, side by side, in fp32 and in bf16 autocast: ragen-pl's
+2. ``--compare``: one rollout of 32 (``--trajectories``) SmolLM2 FrozenLake trajectories
+   (``configs/smollm2-frozenlake.yaml``'s warm start and settings), then one update over it two ways, side by side,
+   in fp32 and in bf16 autocast (``--precisions``): ragen-pl's
    ``StarPOUpdate`` (LM head on scored positions only, length-grouped micro-batches; the shared prompt prefix once,
    the default, or the rows packed without padding, ``--model.ppo.pack``) and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
    every position, the same PPO surrogate and AdamW step). Goal: >= 1.5x the plain loop's tokens/s. Then the peak
@@ -15,6 +16,7 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    (a float32 chunk at a time), each in its own process.
 
     python benchmarks/train_step.py [--iterations 6] [--threads 2] [--compare] [--compare-only]
+                                    [--trajectories 32] [--precisions fp32 bf16] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -37,12 +39,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--compare", action="store_true", help="also time the update against a plain loop")
     parser.add_argument("--compare-only", action="store_true")
+    parser.add_argument("--trajectories", type=int, default=32, help="--compare: SmolLM2 FrozenLake trajectories")
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                        help="--compare: float32, and bf16 autocast (several times slower on a CPU without bf16)")
+    parser.add_argument("--repeats", type=int, default=2, help="--compare: timed updates per variant (the best)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.compare_only:
         phases(args)
     if args.compare or args.compare_only:
-        compare_update()
+        compare_update(args.trajectories, args.precisions, args.repeats)
         compare_memory()
 
 
@@ -144,7 +150,7 @@ def plain_update(model, batch, opt, micro: int) -> None:
     opt.step()
 
 
-def compare_update(repeats: int = 2) -> None:
+def compare_update(trajectories: int = 32, precisions=("fp32", "bf16"), repeats: int = 2) -> None:
     import copy
 
     from ragen_pl.advantages import GRPO
@@ -152,19 +158,19 @@ def compare_update(repeats: int = 2) -> None:
     from ragen_pl.policy import Models
     from ragen_pl.update import StarPOUpdate
 
-    model, batch = frozenlake_rollout()
+    model, batch = frozenlake_rollout(trajectories)
     model.train()
     updates = {name: StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=len(batch), micro_batch_size=8, entropy_coeff=0.0,
                                                     share_prefix=name == "shared", pack=name == "packed"))
                for name in ("shared", "packed")}
     updates["shared"].prepare(batch, Models(model))
     tokens = float(batch.attention_mask.sum())
-    print(f"\nthe update, {len(batch)} SmolLM2 FrozenLake trajectories ({tokens:.0f} tokens, "
+    print(f"\nthe update, {trajectories} SmolLM2 FrozenLake trajectories in {len(batch)} rows ({tokens:.0f} tokens, "
           f"{int(batch.loss_mask.sum())} sampled), one optimiser step, micro-batches of 8; ragen-pl with the shared "
           f"prompt prefix (default) and with packed rows (--model.ppo.pack):")
     print(f"{'precision':<15}{'plain loop tok/s':>18}{'shared tok/s':>14}{'packed tok/s':>14}{'shared/plain':>14}"
           f"{'packed/plain':>14}")
-    for precision in ("fp32", "bf16 autocast"):
+    for precision in precisions:
         rates = {}
         for name in ("plain", "shared", "packed"):
             m = copy.deepcopy(model)
@@ -173,23 +179,31 @@ def compare_update(repeats: int = 2) -> None:
             for _ in range(repeats):
                 b = copy.deepcopy(batch)
                 start = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                     if name == "plain":
                         plain_update(m, b, opt, 8)
                     else:
                         updates[name].step(b, Models(m), [opt])
                 best = min(best, time.perf_counter() - start)
             rates[name] = tokens / best
-        print(f"{precision:<15}{rates['plain']:>18.0f}{rates['shared']:>14.0f}{rates['packed']:>14.0f}"
+        print(f"{'bf16 autocast' if precision == 'bf16' else precision:<15}{rates['plain']:>18.0f}{rates['shared']:>14.0f}{rates['packed']:>14.0f}"
               f"{rates['shared'] / rates['plain']:>13.2f}x{rates['packed'] / rates['plain']:>13.2f}x", flush=True)
 
 
 MEMORY = """
-import resource, sys, torch
+import sys, torch
+
+
+def peak_gib():  # this process's peak resident memory: VmHWM, reset below (a forked child inherits its parent's)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) / 2**20
+
+
 torch.set_num_threads(1)
 logits = torch.randn(4096, 49152).bfloat16().requires_grad_(True)
 labels = torch.randint(0, 49152, (4096,))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+open("/proc/self/clear_refs", "w").write("5")
+base = peak_gib()
 if sys.argv[1] == "plain":
     z = logits.float()
     lp = z.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
@@ -200,7 +214,7 @@ else:
     from ragen_pl.scoring import token_stats
     lp, ent = token_stats(logits, labels, entropy=True)
 (lp.sum() + ent.sum()).backward()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+print(peak_gib() - base)
 """
 
 
