@@ -38,13 +38,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from probe_solver_sft import optimal_first_actions  # noqa: E402
 from real_llm import load_config  # noqa: E402
+from real_llm import make_env as make_spec_env  # noqa: E402
 
 
 def make_env(cfg: dict, separator: str):
-    from ragen_pl import registry
-
+    """The config's env, its grid spelled with ``separator``."""
     spec = cfg["data"]["env"]
-    return registry.resolve("envs", spec["class_path"], **{**(spec.get("init_args") or {}), "cell_separator": separator})
+    return make_spec_env({**spec, "init_args": {**(spec.get("init_args") or {}), "cell_separator": separator}})
 
 
 def first_turn(cfg: dict, env, obs: str) -> str:
@@ -76,12 +76,11 @@ def hidden_states(model, tok, cfg: dict, users: list[str], layers: list[int], ba
 
     from ragen_pl.config import RolloutConfig
     from ragen_pl.rollout.chat import ChatTokens
+    from ragen_pl.rollout.prefix import common_length
 
     rollout = RolloutConfig(**cfg["data"]["rollout"])
     prompts = [ChatTokens(tok, rollout.system_prompt, u, rollout.think).ids for u in users]
-    n = min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(prompts[0][:n], p[:n])) if a != b), n)
+    n = min(common_length(prompts), min(len(p) for p in prompts) - 1)  # each prompt keeps its last token
     out = []
     with torch.no_grad():
         prefix = DynamicCache()
