@@ -194,6 +194,8 @@ def main() -> int:
     parser.add_argument("--play", type=int, default=0, metavar="N",
                         help="then play the evaluation seeds N times each with the last layer's probe as the policy")
     args = parser.parse_args()
+    if args.play < 0:
+        parser.error(f"--play must be 0 (off) or a number of plays per seed (got {args.play})")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

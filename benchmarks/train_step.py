@@ -44,6 +44,10 @@ def main() -> None:
                         help="--compare: float32, and bf16 autocast (several times slower on a CPU without bf16)")
     parser.add_argument("--repeats", type=int, default=2, help="--compare: timed updates per variant (the best)")
     args = parser.parse_args()
+    if args.trajectories < 4:
+        parser.error(f"--trajectories must be at least 4, one group of 4 (got {args.trajectories})")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (got {args.repeats})")
     torch.set_num_threads(args.threads)
     if not args.compare_only:
         phases(args)
