@@ -153,7 +153,8 @@ class OptimConfig:
     actor_lr: float = 1e-6
     """Actor learning rate (paper: 1e-6)."""
     critic_lr: float = 1e-5
-    """Critic learning rate (paper: 1e-5)."""
+    """Critic learning rate (paper: 1e-5): the separate critic's, or the shared value head's (the trunk under it
+    trains at ``actor_lr``)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
     weight_decay: float = 0.01

@@ -161,10 +161,10 @@ class RagenModule(pl.LightningModule):
     @override
     def configure_optimizers(self):
         o = self.optim
-        actor_params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.value_head is not None:
-            actor_params += list(self.value_head.parameters())
-        opts = [torch.optim.AdamW(actor_params, lr=o.actor_lr, betas=o.betas, weight_decay=o.weight_decay)]
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": o.actor_lr}]
+        if self.value_head is not None:  # one optimiser (one backward of policy + value loss), the head at critic_lr
+            groups.append({"params": list(self.value_head.parameters()), "lr": o.critic_lr})
+        opts = [torch.optim.AdamW(groups, betas=o.betas, weight_decay=o.weight_decay)]
         if self.critic is not None:
             opts.append(torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr, betas=o.betas,
                                           weight_decay=o.weight_decay))

@@ -152,7 +152,7 @@ def test_reused_rollout_keeps_the_behaviour_policy(tiny_model_path):
 def test_shared_critic_with_gradient_checkpointing_and_kl_reward(tiny_model_path):
     module = RagenModule(str(tiny_model_path), critic="shared", gradient_checkpointing=True,
                          ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2, kl_coeff=0.01, kl_mode="reward"),
-                         optim=OptimConfig(actor_lr=1e-3))
+                         optim=OptimConfig(actor_lr=1e-3, critic_lr=3e-2))
     assert module.critic is None and module.value_head is not None and module.reference is not None
     dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
                            rollout=RolloutConfig(max_turns=2, max_new_tokens=8))
@@ -162,7 +162,9 @@ def test_shared_critic_with_gradient_checkpointing_and_kl_reward(tiny_model_path
     m = t.callback_metrics
     assert torch.isfinite(m["loss/value"]) and torch.isfinite(m["loss/kl_reward"]) and "loss/kl" not in m
     assert not torch.equal(module.value_head.weight, head)  # the value head trains with the policy's optimiser
-    assert len(t.optimizers) == 1
+    (opt,) = t.optimizers  # ... in its own parameter group, at critic_lr
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 3e-2]
+    assert opt.param_groups[1]["params"] == list(module.value_head.parameters())
 
 
 @pytest.mark.parametrize("advantage", [GAE(), GRPO()], ids=["gae", "grpo"])
