@@ -26,6 +26,7 @@ import argparse
 import csv
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,6 +54,73 @@ COMPARISONS = {
     "clip": [BASE, "symmetric clip 0.2"],
 }
 
+COLLAPSE_LR = 3e-3
+"""The actor learning rate at which PPO itself collapses in the miniature (3x the quickstart's). Searched on seed 0
+without the filter: at 1e-3 and 2e-3 60 iterations learn both envs (Bandit dips to 0.6 and recovers), at 5e-3 both
+envs fall to 0 at iteration 2 (entropy rising to 1.4: divergence, not the Echo Trap), at 3e-3 Bandit reaches 1.00,
+its entropy falls from 0.55 to 0.12 over 15 iterations and then success drops to 0.00 at iteration 20."""
+COLLAPSE_BASE = [f"--model.optim.actor_lr={COLLAPSE_LR}", "--model.collapse.samples=16",
+                 "--model.collapse.every_n_steps=3"]
+COLLAPSE_NONE = "PPO, no filter"
+COLLAPSE_CONDITIONS: dict[str, tuple[list[str], str]] = {
+    COLLAPSE_NONE: (["--data.filter.init_args.top_p=1.0"], "no filter: collapses earliest"),
+    "filter top_p 0.75": (["--data.filter.init_args.top_p=0.75"], "keeping 75%: collapse delayed (100 -> 140)"),
+    "filter top_p 0.5": (["--data.filter.init_args.top_p=0.5"], "keeping 50%: no collapse within 200 steps"),
+    "filter top_p 0.25": (["--data.filter.init_args.top_p=0.25"], "keeping 25%: the same in half the updates"),
+    "no filter, KL 0.001": (["--data.filter.init_args.top_p=1.0", "--model.ppo.kl_coeff=0.001"],
+                            "vanilla StarPO's KL term"),
+    "no filter, symmetric clip 0.2": (["--data.filter.init_args.top_p=1.0", "--model.ppo.clip_high=0.2"],
+                                      "clip-higher (0.28) helps stability"),
+}
+COLLAPSE_COMPARISONS = {
+    "filter": [COLLAPSE_NONE, "filter top_p 0.75", "filter top_p 0.5", "filter top_p 0.25"],
+    "kl": [COLLAPSE_NONE, "no filter, KL 0.001"],
+    "clip": [COLLAPSE_NONE, "no filter, symmetric clip 0.2"],
+}
+
+
+@dataclass
+class Grid:
+    flags: list[str]
+    """Flags of every condition, on top of the quickstart."""
+    steps: int
+    conditions: dict[str, tuple[list[str], str]]
+    comparisons: dict[str, list[str]]
+    quick: tuple[str, str]
+    """The two conditions of ``--quick``."""
+
+
+GRIDS = {
+    "quickstart": Grid([], 20, CONDITIONS, COMPARISONS, (BASE, "GRPO")),
+    "collapse": Grid(COLLAPSE_BASE, 30, COLLAPSE_CONDITIONS, COLLAPSE_COMPARISONS, (COLLAPSE_NONE, "filter top_p 0.5")),
+}
+
+HALVED_FROM = 0.3
+"""A training success curve collapses where its 2-iteration mean falls to half the best it had reached, once
+that best is at least this."""
+
+
+def curves(metrics: Path) -> dict[str, list[float]]:
+    """The logged per-iteration series of a run that the collapse table reads (name -> values in step order)."""
+    with open(metrics) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("time/iteration") or r.get("collapse/mi")
+                or any(k.startswith("collapse/") and k.endswith("/mi") and v for k, v in r.items())]
+    keys = {k for r in rows for k in r if (k.startswith("rollout/") and k.endswith(("/success", "group_reward_std")))
+            or k in ("loss/entropy", "rollout/token_entropy") or (k.startswith("collapse/") and k.endswith("/mi"))}
+    return {k: [float(r[k]) for r in rows if r.get(k)] for k in sorted(keys)}
+
+
+def collapse_iteration(success: list[float]) -> int | None:
+    """The first iteration (1-based) whose 2-iteration mean of training success is at most half the best earlier
+    mean, that best being at least :data:`HALVED_FROM`; None if the curve never halves."""
+    means = [(success[max(0, i - 1)] + success[i]) / 2 for i in range(len(success))]
+    best = 0.0
+    for i, m in enumerate(means):
+        if best >= HALVED_FROM and m <= best / 2:
+            return i + 1
+        best = max(best, m)
+    return None
+
 
 def alarm_steps(metrics: Path) -> list[int]:
     """Iterations at which the Echo Trap alarm (its current defaults) fires on a run's logged metrics."""
@@ -74,34 +142,87 @@ def fmt_range(values: list[float]) -> str:
     return f"{min(values):.2f}" if min(values) == max(values) else f"{min(values):.2f}-{max(values):.2f}"
 
 
+def trend(runs: list[dict], key: str) -> str:
+    """``first -> last`` of a logged series, averaged over the runs that logged it."""
+    series = [run["curves"][key] for run in runs if run["curves"].get(key)]
+    if not series:
+        return "-"
+    return f"{sum(c[0] for c in series) / len(series):.2f} -> {sum(c[-1] for c in series) / len(series):.2f}"
+
+
+def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> None:
+    if not collapse:
+        print("| condition | " + " | ".join(envs) + " | Echo Trap alarm (collapse) | the paper |")
+        print("|" + " --- |" * (len(envs) + 3))
+    else:
+        print("| condition | " + " | ".join(f"{env}: final, collapse at" for env in envs)
+              + " | group reward std | entropy | I(X;Z) | Echo Trap alarm | the paper |")
+        print("|" + " --- |" * (len(envs) + 6))
+    for name, r in results.items():
+        runs = r["runs"]
+        fired = [run["alarms"][0] for run in runs if run["alarms"]]
+        alarm = f"{len(fired)} of {len(runs)} seeds, at {fired}" if fired else f"none in {len(runs)} seeds"
+        cells = []
+        for env in envs:
+            final = fmt_range([run["success"][env][1] for run in runs if env in run["success"]])
+            if collapse:
+                at = [collapse_iteration(run["curves"].get(f"rollout/{env}/success", [])) for run in runs]
+                final += f"; {sum(a is not None for a in at)} of {len(at)}" + (
+                    f" (at {[a for a in at if a is not None]})" if any(a is not None for a in at) else "")
+            cells.append(final)
+        if collapse:
+            mi = [k for k in {k for run in runs for k in run["curves"]} if k.startswith("collapse/") and k.endswith("/mi")]
+            cells += [trend(runs, "rollout/group_reward_std"), trend(runs, "rollout/token_entropy"),
+                      "; ".join(f"{k.split('/')[1] if k.count('/') == 2 else 'all'} {trend(runs, k)}" for k in sorted(mi))
+                      or "-"]
+        print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", choices=list(GRIDS), default="quickstart",
+                        help="quickstart: the quickstart's settings; collapse: the setting where PPO collapses")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="iterations per run (default: the grid's)")
     parser.add_argument("--val-episodes", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("runs/findings"))
-    parser.add_argument("--quick", action="store_true", help="1 seed, PPO and GRPO, 2 iterations (a smoke test)")
+    parser.add_argument("--conditions", nargs="+", default=None, metavar="NAME",
+                        help="run only these conditions of the grid (default: all)")
+    parser.add_argument("--out", type=Path, default=None, help="default: runs/findings (runs/findings-collapse)")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 2 conditions, 2 iterations (a smoke test)")
     parser.add_argument("--from-runs", action="store_true",
                         help="train nothing: rebuild the table and figures from the runs already under --out")
     args = parser.parse_args(argv)
-    conditions = dict(CONDITIONS)
-    extra: list[str] = []
+    grid = GRIDS[args.grid]
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    args.steps = args.steps or grid.steps
+    args.out = args.out or Path("runs") / ("findings" if args.grid == "quickstart" else f"findings-{args.grid}")
+    conditions = dict(grid.conditions)
+    if args.conditions:
+        unknown = [c for c in args.conditions if c not in conditions]
+        if unknown:
+            parser.error(f"--conditions: {unknown} not in the {args.grid} grid; choose from {list(conditions)}")
+        conditions = {k: v for k, v in conditions.items() if k in args.conditions}
+    extra: list[str] = list(grid.flags)
     if args.quick:
         args.seeds, args.steps, args.val_episodes = args.seeds[:1], 2, 4
-        conditions = {k: conditions[k] for k in (BASE, "GRPO")}
-        extra = ["--data.n_groups=4", "--data.group_size=4"]
+        conditions = {k: conditions[k] for k in grid.quick}
+        extra += ["--data.n_groups=4", "--data.group_size=4"]
+        if args.grid == "collapse":
+            extra += ["--model.collapse.samples=4", "--model.collapse.every_n_steps=1"]
     start = time.perf_counter()
     results: dict[str, dict] = {}
     for name, (flags, claim) in conditions.items():
         runs = []
         for seed in args.seeds:
-            folder = args.out / f"{name.replace(' ', '_').replace('(', '').replace(')', '')}_seed{seed}"
+            folder = args.out / f"{name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}_seed{seed}"
             t0 = time.perf_counter()
             if args.from_runs:
                 metrics = max(folder.glob("*/version_*/metrics.csv"), key=lambda m: m.stat().st_mtime)
             else:
-                metrics = fit_seed(seed, args.steps, args.val_episodes, [*flags, *extra], folder)
-            runs.append({"folder": folder, "success": eval_success(metrics), "alarms": alarm_steps(metrics)})
+                metrics = fit_seed(seed, args.steps, args.val_episodes, [*extra, *flags], folder)
+            runs.append({"folder": folder, "success": eval_success(metrics), "alarms": alarm_steps(metrics),
+                         "curves": curves(metrics)})
             print(f"[{time.perf_counter() - start:6.0f}s] {name}, seed {seed}: "
                   + ", ".join(f"{env} {a:.2f} -> {b:.2f}" for env, (a, b) in runs[-1]["success"].items())
                   + (f"; Echo Trap alarm at {runs[-1]['alarms']}" if runs[-1]["alarms"] else "")
@@ -109,20 +230,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         results[name] = {"runs": runs, "claim": claim}
 
     envs = sorted({env for r in results.values() for run in r["runs"] for env in run["success"]})
-    print(f"\nfindings: {len(args.seeds)} seeds x {args.steps} iterations, evaluation success after the last one "
-          f"(range over seeds), Echo Trap alarms:\n")
-    header = "| condition | " + " | ".join(envs) + " | Echo Trap alarm (collapse) | the paper |"
-    print(header)
-    print("|" + " --- |" * (len(envs) + 3))
-    for name, r in results.items():
-        cells = [fmt_range([run["success"][env][1] for run in r["runs"] if env in run["success"]]) for env in envs]
-        fired = [run["alarms"][0] for run in r["runs"] if run["alarms"]]
-        alarm = f"{len(fired)} of {len(r['runs'])} seeds, at {fired}" if fired else f"none in {len(r['runs'])} seeds"
-        print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")
+    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {args.steps} iterations, evaluation success after the "
+          f"last one (range over seeds), Echo Trap alarms:\n")
+    print_table(results, envs, collapse=args.grid == "collapse")
 
     from ragen_pl.report import report
 
-    for comparison, names in COMPARISONS.items():
+    for comparison, names in grid.comparisons.items():
         folders = [run["folder"] for n in names if n in results for run in results[n]["runs"]]
         if len({n for n in names if n in results}) > 1:
             report(folders, args.out / "report" / comparison)

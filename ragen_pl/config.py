@@ -64,9 +64,10 @@ class PPOConfig:
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batch_size: int = 32
-    """Trajectories per optimiser step (per process)."""
+    """Rows per optimiser step (per process): trajectories, or turns where ``--data.rollout.context_window`` makes
+    each turn a row of its own."""
     micro_batch_size: int = 4
-    """Trajectories per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
     clip_low: float = 0.2
     """PPO ratio clip below 1 (epsilon_low)."""
     clip_high: float = 0.28

@@ -25,3 +25,33 @@ def test_findings_quick(tmp_path, capsys, monkeypatch):
     assert "| GRPO |" in out
     assert (tmp_path / "report" / "ppo_vs_grpo" / "success.png").is_file()
     assert (tmp_path / "report" / "ppo_vs_grpo" / "trajectories.html").is_file()
+
+
+@pytest.mark.slow
+def test_collapse_grid_quick(tmp_path, capsys, monkeypatch):
+    """`--grid collapse --quick`: the collapse setting's runs log I(X;Z), and the table reads it beside reward std."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("findings", None)
+    import findings
+
+    results = findings.main(["--grid", "collapse", "--quick", "--out", str(tmp_path)])
+    assert set(results) == set(findings.GRIDS["collapse"].quick)
+    for r in results.values():
+        (run,) = r["runs"]
+        assert len(run["curves"]["rollout/Bandit/success"]) == 2  # one value per iteration
+        assert any(k.startswith("collapse/") and k.endswith("/mi") for k in run["curves"])
+    out = capsys.readouterr().out
+    assert "| condition | Bandit: final, collapse at | FrozenLakeNoSlip: final, collapse at | group reward std |" in out
+    assert f"| {findings.COLLAPSE_NONE} |" in out
+    assert (tmp_path / "report" / "filter" / "success.png").is_file()
+
+
+def test_collapse_iteration(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from findings import collapse_iteration
+
+    # 2-iteration means: 0.1, 0.3, 0.5, 0.5, 0.3, 0.2 -> the best 0.5 halves at the 6th iteration
+    assert collapse_iteration([0.1, 0.5, 0.5, 0.5, 0.1, 0.3]) == 6
+    assert collapse_iteration([0.1, 0.2, 0.2, 0.05, 0.0]) is None  # its best (0.2) never reached HALVED_FROM
+    assert collapse_iteration([0.6, 0.0, 0.0]) == 2  # the first mean is the best: (0.6 + 0.6) / 2
+    assert collapse_iteration([]) is None
