@@ -142,6 +142,15 @@ def fmt_range(values: list[float]) -> str:
     return f"{min(values):.2f}" if min(values) == max(values) else f"{min(values):.2f}-{max(values):.2f}"
 
 
+def halved_from_start(series: list[float]) -> int | None:
+    """The first iteration (1-based) whose 2-iteration mean is at most half the series' first value; None if never
+    (the token entropy's fall, read as a warning of the collapse it comes before)."""
+    for i in range(1, len(series)):
+        if (series[i - 1] + series[i]) / 2 <= series[0] / 2:
+            return i + 1
+    return None
+
+
 def trend(runs: list[dict], key: str) -> str:
     """``first -> last`` of a logged series, averaged over the runs that logged it."""
     series = [run["curves"][key] for run in runs if run["curves"].get(key)]
@@ -156,8 +165,8 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
         print("|" + " --- |" * (len(envs) + 3))
     else:
         print("| condition | " + " | ".join(f"{env}: final, collapse at" for env in envs)
-              + " | group reward std | entropy | I(X;Z) | Echo Trap alarm | the paper |")
-        print("|" + " --- |" * (len(envs) + 6))
+              + " | group reward std | entropy | entropy halved at | I(X;Z) | Echo Trap alarm | the paper |")
+        print("|" + " --- |" * (len(envs) + 7))
     for name, r in results.items():
         runs = r["runs"]
         fired = [run["alarms"][0] for run in runs if run["alarms"]]
@@ -172,7 +181,10 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
             cells.append(final)
         if collapse:
             mi = [k for k in {k for run in runs for k in run["curves"]} if k.startswith("collapse/") and k.endswith("/mi")]
+            halved = [halved_from_start(run["curves"].get("rollout/token_entropy", [])) for run in runs]
             cells += [trend(runs, "rollout/group_reward_std"), trend(runs, "rollout/token_entropy"),
+                      f"{sum(h is not None for h in halved)} of {len(halved)}"
+                      + (f" (at {[h for h in halved if h is not None]})" if any(h is not None for h in halved) else ""),
                       "; ".join(f"{k.split('/')[1] if k.count('/') == 2 else 'all'} {trend(runs, k)}" for k in sorted(mi))
                       or "-"]
         print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")

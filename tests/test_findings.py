@@ -41,7 +41,8 @@ def test_collapse_grid_quick(tmp_path, capsys, monkeypatch):
         assert len(run["curves"]["rollout/Bandit/success"]) == 2  # one value per iteration
         assert any(k.startswith("collapse/") and k.endswith("/mi") for k in run["curves"])
     out = capsys.readouterr().out
-    assert "| condition | Bandit: final, collapse at | FrozenLakeNoSlip: final, collapse at | group reward std |" in out
+    assert ("| condition | Bandit: final, collapse at | FrozenLakeNoSlip: final, collapse at | group reward std "
+            "| entropy | entropy halved at | I(X;Z) |") in out
     assert f"| {findings.COLLAPSE_NONE} |" in out
     assert (tmp_path / "report" / "filter" / "success.png").is_file()
 
@@ -55,3 +56,13 @@ def test_collapse_iteration(monkeypatch):
     assert collapse_iteration([0.1, 0.2, 0.2, 0.05, 0.0]) is None  # its best (0.2) never reached HALVED_FROM
     assert collapse_iteration([0.6, 0.0, 0.0]) == 2  # the first mean is the best: (0.6 + 0.6) / 2
     assert collapse_iteration([]) is None
+
+
+def test_halved_from_start(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from findings import halved_from_start
+
+    # 2-iteration means after the first: 0.5, 0.35, 0.25 -> at most 0.6 / 2 at the 4th iteration
+    assert halved_from_start([0.6, 0.4, 0.3, 0.2]) == 4
+    assert halved_from_start([0.6, 0.5, 0.4]) is None
+    assert halved_from_start([0.6]) is None
