@@ -96,29 +96,29 @@ GRIDS = {
 }
 
 HALVED_FROM = 0.3
-"""A training success curve collapses where its 2-iteration mean falls to half the best it had reached, once
-that best is at least this."""
+"""A training success curve collapses where its 2-iteration mean falls to half the best it had reached (that best at
+least this) and stays there to the end of the run, for at least :data:`COLLAPSE_MIN` iterations."""
+COLLAPSE_MIN = 3
 
 
 def curves(metrics: Path) -> dict[str, list[float]]:
     """The logged per-iteration series of a run that the collapse table reads (name -> values in step order)."""
     with open(metrics) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("time/iteration") or r.get("collapse/mi")
-                or any(k.startswith("collapse/") and k.endswith("/mi") and v for k, v in r.items())]
+        rows = [r for r in csv.DictReader(f) if r.get("time/iteration") or r.get("collapse/mi")]
     keys = {k for r in rows for k in r if (k.startswith("rollout/") and k.endswith(("/success", "group_reward_std")))
-            or k in ("loss/entropy", "rollout/token_entropy") or (k.startswith("collapse/") and k.endswith("/mi"))}
+            or k in ("loss/entropy", "rollout/token_entropy", "collapse/mi", "collapse/mi_upper_bound")}
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in sorted(keys)}
 
 
 def collapse_iteration(success: list[float]) -> int | None:
-    """The first iteration (1-based) whose 2-iteration mean of training success is at most half the best earlier
-    mean, that best being at least :data:`HALVED_FROM`; None if the curve never halves."""
+    """The iteration (1-based) where a collapse of training success began: its 2-iteration mean at most half the best
+    earlier mean (that best at least :data:`HALVED_FROM`) from there to the end, :data:`COLLAPSE_MIN` iterations or
+    more. None if the curve never collapses; a dip it recovers from is not a collapse (the alarm column shows those)."""
     means = [(success[max(0, i - 1)] + success[i]) / 2 for i in range(len(success))]
-    best = 0.0
-    for i, m in enumerate(means):
-        if best >= HALVED_FROM and m <= best / 2:
+    for i in range(1, len(means) - COLLAPSE_MIN + 1):
+        best = max(means[:i])
+        if best >= HALVED_FROM and all(m <= best / 2 for m in means[i:]):
             return i + 1
-        best = max(best, m)
     return None
 
 
@@ -165,7 +165,7 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
         print("|" + " --- |" * (len(envs) + 3))
     else:
         print("| condition | " + " | ".join(f"{env}: final, collapse at" for env in envs)
-              + " | group reward std | entropy | entropy halved at | I(X;Z) | Echo Trap alarm | the paper |")
+              + " | group reward std | entropy | entropy halved at | I(X;Z) (of log N) | Echo Trap alarm | the paper |")
         print("|" + " --- |" * (len(envs) + 7))
     for name, r in results.items():
         runs = r["runs"]
@@ -180,13 +180,11 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
                     f" (at {[a for a in at if a is not None]})" if any(a is not None for a in at) else "")
             cells.append(final)
         if collapse:
-            mi = [k for k in {k for run in runs for k in run["curves"]} if k.startswith("collapse/") and k.endswith("/mi")]
             halved = [halved_from_start(run["curves"].get("rollout/token_entropy", [])) for run in runs]
             cells += [trend(runs, "rollout/group_reward_std"), trend(runs, "rollout/token_entropy"),
                       f"{sum(h is not None for h in halved)} of {len(halved)}"
                       + (f" (at {[h for h in halved if h is not None]})" if any(h is not None for h in halved) else ""),
-                      "; ".join(f"{k.split('/')[1] if k.count('/') == 2 else 'all'} {trend(runs, k)}" for k in sorted(mi))
-                      or "-"]
+                      f"{trend(runs, 'collapse/mi')} (of {trend(runs, 'collapse/mi_upper_bound')})"]
         print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")
 
 
