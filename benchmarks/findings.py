@@ -88,11 +88,17 @@ class Grid:
     comparisons: dict[str, list[str]]
     quick: tuple[str, str]
     """The two conditions of ``--quick``."""
+    quick_flags: tuple[str, ...] = ()
+    """Flags ``--quick`` adds to the grid's own (besides its smaller rollout)."""
+    collapse_table: bool = False
+    """Print the collapse columns (collapse iteration, reward std, entropy, I(X;Z))."""
 
 
 GRIDS = {
     "quickstart": Grid([], 20, CONDITIONS, COMPARISONS, (BASE, "GRPO")),
-    "collapse": Grid(COLLAPSE_BASE, 30, COLLAPSE_CONDITIONS, COLLAPSE_COMPARISONS, (COLLAPSE_NONE, "filter top_p 0.5")),
+    "collapse": Grid(COLLAPSE_BASE, 30, COLLAPSE_CONDITIONS, COLLAPSE_COMPARISONS, (COLLAPSE_NONE, "filter top_p 0.5"),
+                     quick_flags=("--model.collapse.samples=4", "--model.collapse.every_n_steps=1"),
+                     collapse_table=True),
 }
 
 HALVED_FROM = 0.3
@@ -105,16 +111,21 @@ def curves(metrics: Path) -> dict[str, list[float]]:
     """The logged per-iteration series of a run that the collapse table reads (name -> values in step order)."""
     with open(metrics) as f:
         rows = [r for r in csv.DictReader(f) if r.get("time/iteration") or r.get("collapse/mi")]
-    keys = {k for r in rows for k in r if (k.startswith("rollout/") and k.endswith(("/success", "group_reward_std")))
-            or k in ("loss/entropy", "rollout/token_entropy", "collapse/mi", "collapse/mi_upper_bound")}
+    keys = {k for r in rows for k in r if (k.startswith("rollout/") and k.endswith("/success") and k.count("/") == 2)
+            or k in ("rollout/group_reward_std", "rollout/token_entropy", "collapse/mi", "collapse/mi_upper_bound")}
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in sorted(keys)}
+
+
+def two_iteration_means(series: list[float]) -> list[float]:
+    """Each value's mean with the one before it (the first value alone)."""
+    return [(series[max(0, i - 1)] + series[i]) / 2 for i in range(len(series))]
 
 
 def collapse_iteration(success: list[float]) -> int | None:
     """The iteration (1-based) where a collapse of training success began: its 2-iteration mean at most half the best
     earlier mean (that best at least :data:`HALVED_FROM`) from there to the end, :data:`COLLAPSE_MIN` iterations or
     more. None if the curve never collapses; a dip it recovers from is not a collapse (the alarm column shows those)."""
-    means = [(success[max(0, i - 1)] + success[i]) / 2 for i in range(len(success))]
+    means = two_iteration_means(success)
     for i in range(1, len(means) - COLLAPSE_MIN + 1):
         best = max(means[:i])
         if best >= HALVED_FROM and all(m <= best / 2 for m in means[i:]):
@@ -145,10 +156,14 @@ def fmt_range(values: list[float]) -> str:
 def halved_from_start(series: list[float]) -> int | None:
     """The first iteration (1-based) whose 2-iteration mean is at most half the series' first value; None if never
     (the token entropy's fall, read as a warning of the collapse it comes before)."""
-    for i in range(1, len(series)):
-        if (series[i - 1] + series[i]) / 2 <= series[0] / 2:
-            return i + 1
-    return None
+    means = two_iteration_means(series)
+    return next((i + 1 for i in range(1, len(means)) if means[i] <= series[0] / 2), None)
+
+
+def count_at(iterations: list[int | None]) -> str:
+    """``k of n (at [...])``: how many runs an event happened in, and at which iterations."""
+    seen = [i for i in iterations if i is not None]
+    return f"{len(seen)} of {len(iterations)}" + (f" (at {seen})" if seen else "")
 
 
 def trend(runs: list[dict], key: str) -> str:
@@ -175,15 +190,12 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
         for env in envs:
             final = fmt_range([run["success"][env][1] for run in runs if env in run["success"]])
             if collapse:
-                at = [collapse_iteration(run["curves"].get(f"rollout/{env}/success", [])) for run in runs]
-                final += f"; {sum(a is not None for a in at)} of {len(at)}" + (
-                    f" (at {[a for a in at if a is not None]})" if any(a is not None for a in at) else "")
+                final += "; " + count_at([collapse_iteration(run["curves"].get(f"rollout/{env}/success", []))
+                                          for run in runs])
             cells.append(final)
         if collapse:
-            halved = [halved_from_start(run["curves"].get("rollout/token_entropy", [])) for run in runs]
             cells += [trend(runs, "rollout/group_reward_std"), trend(runs, "rollout/token_entropy"),
-                      f"{sum(h is not None for h in halved)} of {len(halved)}"
-                      + (f" (at {[h for h in halved if h is not None]})" if any(h is not None for h in halved) else ""),
+                      count_at([halved_from_start(run["curves"].get("rollout/token_entropy", [])) for run in runs]),
                       f"{trend(runs, 'collapse/mi')} (of {trend(runs, 'collapse/mi_upper_bound')})"]
         print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")
 
@@ -217,9 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if args.quick:
         args.seeds, args.steps, args.val_episodes = args.seeds[:1], 2, 4
         conditions = {k: conditions[k] for k in grid.quick}
-        extra += ["--data.n_groups=4", "--data.group_size=4"]
-        if args.grid == "collapse":
-            extra += ["--model.collapse.samples=4", "--model.collapse.every_n_steps=1"]
+        extra += ["--data.n_groups=4", "--data.group_size=4", *grid.quick_flags]
     start = time.perf_counter()
     results: dict[str, dict] = {}
     for name, (flags, claim) in conditions.items():
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     envs = sorted({env for r in results.values() for run in r["runs"] for env in run["success"]})
     print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {args.steps} iterations, evaluation success after the "
           f"last one (range over seeds), Echo Trap alarms:\n")
-    print_table(results, envs, collapse=args.grid == "collapse")
+    print_table(results, envs, collapse=grid.collapse_table)
 
     from ragen_pl.report import report
 
