@@ -16,6 +16,8 @@ table rebuilt with ``--from-runs`` uses the alarm's current rule), beside what t
     python benchmarks/findings.py [--seeds 0 1 2] [--steps 20] [--out runs/findings]
     python benchmarks/findings.py --quick     # a smoke test: 1 seed, 2 conditions, 2 iterations
     python benchmarks/findings.py --from-runs # the table and figures again, from the runs under --out
+    python benchmarks/findings.py --grid collapse [--conditions NAME ...] [ragen-pl fit flags, e.g.
+        --model.optim.actor_lr=2e-3]      # the setting where PPO collapses; fit flags come last and override
 
 The full grid (7 conditions x 3 seeds x 20 iterations) takes about 40 minutes on the 2-core dev machine.
 """
@@ -58,7 +60,9 @@ COLLAPSE_LR = 3e-3
 """The actor learning rate at which PPO itself collapses in the miniature (3x the quickstart's). Searched on seed 0
 without the filter: at 1e-3 and 2e-3 60 iterations learn both envs (Bandit dips to 0.6 and recovers), at 5e-3 both
 envs fall to 0 at iteration 2 (entropy rising to 1.4: divergence, not the Echo Trap), at 3e-3 Bandit reaches 1.00,
-its entropy falls from 0.55 to 0.12 over 15 iterations and then success drops to 0.00 at iteration 20."""
+its entropy falls from 0.55 to 0.12 over 15 iterations and then success drops to 0.00 at iteration 20. The search,
+one rate at a time: ``python benchmarks/findings.py --grid collapse --conditions "PPO, no filter" --seeds 0
+--steps 60 --model.optim.actor_lr=2e-3 --out runs/lr-2e-3``."""
 COLLAPSE_BASE = [f"--model.optim.actor_lr={COLLAPSE_LR}", "--model.collapse.samples=16",
                  "--model.collapse.every_n_steps=3"]
 COLLAPSE_NONE = "PPO, no filter"
@@ -213,8 +217,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 conditions, 2 iterations (a smoke test)")
     parser.add_argument("--from-runs", action="store_true",
                         help="train nothing: rebuild the table and figures from the runs already under --out")
-    args = parser.parse_args(argv)
+    args, fit_flags = parser.parse_known_args(argv)  # the rest goes to `ragen-pl fit`, after the grid's own flags
     grid = GRIDS[args.grid]
+    if args.from_runs and fit_flags:
+        parser.error(f"--from-runs trains nothing, so the fit flags {fit_flags} would not apply; drop them")
+    stray = [f for f in fit_flags if not f.startswith("--")]
+    if stray:
+        parser.error(f"unrecognised arguments {stray}: the fit flags after the script's own are --key=value")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     args.steps = args.steps or grid.steps
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             if args.from_runs:
                 metrics = max(folder.glob("*/version_*/metrics.csv"), key=lambda m: m.stat().st_mtime)
             else:
-                metrics = fit_seed(seed, args.steps, args.val_episodes, [*extra, *flags], folder)
+                metrics = fit_seed(seed, args.steps, args.val_episodes, [*extra, *flags, *fit_flags], folder)
             runs.append({"folder": folder, "success": eval_success(metrics), "alarms": alarm_steps(metrics),
                          "curves": curves(metrics)})
             print(f"[{time.perf_counter() - start:6.0f}s] {name}, seed {seed}: "

@@ -67,3 +67,29 @@ def test_halved_from_start(monkeypatch):
     assert halved_from_start([0.6, 0.4, 0.3, 0.2]) == 4
     assert halved_from_start([0.6, 0.5, 0.4]) is None
     assert halved_from_start([0.6]) is None
+
+
+def test_fit_flags_pass_through(tmp_path, monkeypatch):
+    """Flags findings.py does not know go to every run's `ragen-pl fit`, after the grid's and the condition's own
+    (so they override both); with --from-runs, which trains nothing, they are refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("findings", None)
+    import findings
+
+    seen = []
+
+    def fake_fit(seed, steps, val_episodes, extra, save_dir):
+        seen.append(extra)
+        raise KeyboardInterrupt  # stop after the first run
+
+    monkeypatch.setattr(findings, "fit_seed", fake_fit)
+    with pytest.raises(KeyboardInterrupt):
+        findings.main(["--grid", "collapse", "--conditions", findings.COLLAPSE_NONE, "--seeds", "0",
+                       "--out", str(tmp_path), "--model.optim.actor_lr=2e-3"])
+    (flags,) = seen
+    assert flags[-1] == "--model.optim.actor_lr=2e-3"
+    assert flags.index(f"--model.optim.actor_lr={findings.COLLAPSE_LR}") < len(flags) - 1
+    assert "--data.filter.init_args.top_p=1.0" in flags
+    for bad in (["--from-runs", "--model.optim.actor_lr=2e-3"], ["stray"]):
+        with pytest.raises(SystemExit):
+            findings.main(["--out", str(tmp_path), *bad])
