@@ -9,14 +9,17 @@ Three sets of runs, replayed through ``ragen_pl.callbacks.EchoTrapAlarm`` step b
   ``benchmarks/real_llm.py``), plus any ``metrics.csv`` given with ``--runs``;
 * simulated runs with no learning: success stationary at 0.05-0.8 (64 episodes a step in groups of 8, the
   quickstart's share of one env), answers drawn from a fixed distribution, entropy and gradient norm stationary
-  noise, 100 steps. Any alarm there is false.
+  noise, 100 steps; either one board for all (the quickstart's Bandit and corner FrozenLake) or a board per group
+  whose success rate is drawn around the level (``--icc``: RAGEN's random boards, easy or hard for all of a group's
+  trajectories), the latter also with the episodes counted as independent (the alarm before
+  ``rollout/<tag>/effective_episodes``). Any alarm there is false.
 
 An env *collapsed* at the first step from which its success stays below half its best so far for 3 steps (judged
 with hindsight; the best is a trailing 3-step mean of at least 0.1). The delay is the alarm's step minus that step
 (negative: the alarm came before the halving). Runs recorded before ``rollout/<tag>/episodes`` was logged get the
 quickstart's 64 episodes per env and step.
 
-    python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100]
+    python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100] [--icc 0.3]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import random
 from pathlib import Path
 
 from ragen_pl.callbacks import EchoTrapAlarm
+from ragen_pl.metrics import effective_episodes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "echo_trap"
 LEVELS = (0.05, 0.15, 0.3, 0.5, 0.8)
@@ -125,14 +129,19 @@ def print_table(title: str, rows: list[Row]) -> None:
     print(summary(rows))
 
 
-def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8
-                  ) -> list[dict[str, float]]:
-    """A run that learns nothing: success, answers, entropy and gradient norm all stationary."""
+def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8,
+                  icc: float = 0.0, effective: bool = True) -> list[dict[str, float]]:
+    """A run that learns nothing: success, answers, entropy and gradient norm all stationary. With ``icc`` > 0 each
+    group plays its own board, whose success rate is drawn from a Beta of mean ``level`` and that intra-class
+    correlation (easy and hard boards); ``effective``: log ``effective_episodes`` as the rollout does."""
     answers = [rng.random() ** 2 for _ in range(6)]  # a fixed, uneven answer distribution for the run
     entropy, grad = rng.uniform(0.2, 1.0), rng.uniform(0.2, 1.0)
     run = []
     for _ in range(steps):
-        wins = sum(rng.random() < level for _ in range(episodes))
+        rates = [rng.betavariate(level * (1 - icc) / icc, (1 - level) * (1 - icc) / icc) if icc > 0 else level
+                 for _ in range(episodes // group)]
+        outcomes = [[float(rng.random() < rate) for _ in range(group)] for rate in rates]
+        wins = sum(map(sum, outcomes))
         repetition = []
         for _ in range(episodes // group):
             picked = rng.choices(range(len(answers)), weights=answers, k=group)
@@ -141,14 +150,17 @@ def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 
                     "rollout/Env/repetition": sum(repetition) / len(repetition),
                     "loss/entropy": entropy * (1 + 0.05 * rng.gauss(0, 1)),
                     "actor/grad_norm": grad * math.exp(0.5 * rng.gauss(0, 1))})
+        if effective:
+            run[-1]["rollout/Env/effective_episodes"] = effective_episodes(outcomes)
     return run
 
 
-def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm) -> dict[float, float]:
+def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm, icc: float = 0.0,
+                      effective: bool = True) -> dict[float, float]:
     """Success level -> share of simulated no-learning runs on which the alarm fired."""
     rng = random.Random(seed)
-    return {level: sum(bool(replay(simulated_run(level, steps, rng), make())[0]) for _ in range(runs)) / runs
-            for level in LEVELS}
+    return {level: sum(bool(replay(simulated_run(level, steps, rng, icc=icc, effective=effective), make())[0])
+                       for _ in range(runs)) / runs for level in LEVELS}
 
 
 def main() -> None:
@@ -156,7 +168,11 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, nargs="*", default=[], help="more metrics.csv files (held out)")
     parser.add_argument("--simulated", type=int, default=200, help="simulated no-learning runs per success level")
     parser.add_argument("--steps", type=int, default=100, help="steps per simulated run")
+    parser.add_argument("--icc", type=float, default=0.3, help="intra-class correlation of a group's successes in the "
+                        "simulated runs with a board per group (0 < icc < 1)")
     args = parser.parse_args()
+    if not 0 < args.icc < 1:
+        parser.error(f"--icc must be between 0 and 1 (exclusive), got {args.icc}")
 
     tuning = [judge(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))]
     print_table("Tuning runs (the defaults were chosen on these)", [r for rows in tuning for r in rows])
@@ -164,10 +180,14 @@ def main() -> None:
     heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
     print_table("Held-out runs", [r for rows in heldout for r in rows])
 
-    rates = false_alarm_rates(args.simulated, args.steps)
-    print(f"\nSimulated runs with no learning ({args.simulated} per level, {args.steps} steps, 64 episodes a step):")
-    print("  success level  " + "  ".join(f"{level:>5.2f}" for level in rates))
-    print("  false alarms   " + "  ".join(f"{rate:>5.1%}" for rate in rates.values()))
+    print(f"\nSimulated runs with no learning ({args.simulated} per level, {args.steps} steps, 64 episodes a step in "
+          f"groups of 8), false alarms:")
+    print(f"  {'success level':<54}" + "  ".join(f"{level:>5.2f}" for level in LEVELS))
+    for icc, effective, label in ((0.0, True, "one board for all groups"),
+                                  (args.icc, True, f"a board per group, icc {args.icc}"),
+                                  (args.icc, False, f"a board per group, icc {args.icc}, episodes as independent")):
+        rates = false_alarm_rates(args.simulated, args.steps, icc=icc, effective=effective)
+        print(f"  {label:<54}" + "  ".join(f"{rate:>5.1%}" for rate in rates.values()), flush=True)
 
 
 if __name__ == "__main__":

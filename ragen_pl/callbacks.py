@@ -111,9 +111,11 @@ class EchoTrapAlarm(Callback):
 
     * ``success_drop`` (required): over the last k steps (each k in 1..``smooth``) the env's success is below
       ``drop_ratio`` x the best k-step success it reached, and the fall is significant: a two-proportion z of at
-      least ``min_z``, counting the episodes behind each share (``rollout/<tag>/episodes``). With 0/1 rewards a noisy
-      success at 15% halves by chance every few steps; the z-test, not a minimum peak, keeps that quiet, so an env
-      that never reached 0.3 (SmolLM2 on Sokoban) can still raise it;
+      least ``min_z``, counting the episodes behind each share (``rollout/<tag>/episodes``) over the run's mean
+      design effect (episodes / ``rollout/<tag>/effective_episodes``: trajectories of a group share a board, and on
+      RAGEN's random boards their successes cluster, so a share varies more than a binomial of its episodes). With
+      0/1 rewards a noisy success at 15% halves by chance every few steps; the z-test, not a minimum peak, keeps that
+      quiet, so an env that never reached 0.3 (SmolLM2 on Sokoban) can still raise it;
     * ``min_signals - 1`` more signals (none by default: on recorded runs they held as often without a collapse),
       each *not* arithmetically tied to success (the in-group reward std is not one: with 0/1 rewards it falls
       whenever success does), named in the warning when they hold:
@@ -182,6 +184,7 @@ class EchoTrapAlarm(Callback):
         self.history: dict[str, deque[float]] = {}
         self.successes: dict[str, deque[tuple[float, float]]] = {}  # tag -> last `smooth` (success, episodes)
         self.peaks: dict[str, dict[int, tuple[float, float]]] = {}  # tag -> k -> best k-step (success, episodes)
+        self.design: dict[str, tuple[float, int]] = {}  # tag -> (sum, count) of the steps' design effects
         self.streaks: dict[str, int] = {}
         self.fired_at: int | None = None
         self.fired_tags: set[str] = set()
@@ -195,6 +198,7 @@ class EchoTrapAlarm(Callback):
         return {"history": {k: list(v) for k, v in self.history.items()},
                 "successes": {k: [list(x) for x in v] for k, v in self.successes.items()},
                 "peaks": {t: {str(k): list(v) for k, v in p.items()} for t, p in self.peaks.items()},
+                "design": {t: list(v) for t, v in self.design.items()},
                 "streaks": dict(self.streaks), "fired_at": self.fired_at, "fired_tags": sorted(self.fired_tags)}
 
     @override
@@ -205,6 +209,7 @@ class EchoTrapAlarm(Callback):
         peaks = state_dict.get("peaks", {})
         self.peaks = {t: {int(k): tuple(v) for k, v in p.items()} for t, p in peaks.items()  # type: ignore[misc]
                       if isinstance(p, dict)}  # a checkpoint of the old alarm kept one float per tag: start afresh
+        self.design = {t: (float(v[0]), int(v[1])) for t, v in state_dict.get("design", {}).items()}
         self.streaks = dict(state_dict.get("streaks", {}))
         self.fired_at = state_dict.get("fired_at")
         self.fired_tags = set(state_dict.get("fired_tags", []))
@@ -234,10 +239,15 @@ class EchoTrapAlarm(Callback):
         h.append(value)
         return high
 
-    def _success_dropped(self, tag: str, success: float, episodes: float) -> bool:
+    def _success_dropped(self, tag: str, success: float, episodes: float, effective: float | None = None) -> bool:
         """Record this step's success; whether some k-step mean fell significantly below its best (see class)."""
         recent = self.successes.setdefault(tag, deque(maxlen=self.smooth))
         recent.append((success, episodes))
+        total, steps = self.design.get(tag, (0.0, 0))
+        if effective is not None and math.isfinite(effective) and effective > 0:
+            total, steps = total + max(1.0, episodes / effective), steps + 1
+            self.design[tag] = (total, steps)
+        deff = total / steps if steps else 1.0  # runs logged before effective_episodes: the binomial count
         peaks = self.peaks.setdefault(tag, {})
         dropped = False
         for k in range(1, len(recent) + 1):
@@ -247,7 +257,7 @@ class EchoTrapAlarm(Callback):
             best, n_best = peaks.get(k, (now, n))
             if now >= best:
                 peaks[k] = (now, n)
-            elif now < self.drop_ratio * best and drop_z(best, n_best, now, n) >= self.min_z:
+            elif now < self.drop_ratio * best and drop_z(best, n_best / deff, now, n / deff) >= self.min_z:
                 dropped = True
         return dropped
 
@@ -274,7 +284,7 @@ class EchoTrapAlarm(Callback):
                 signals["repetition"] = rep  # type: ignore[assignment]
             success, episodes = metrics.get(prefix + "success"), metrics.get(prefix + "episodes")
             if (success is not None and episodes is not None and math.isfinite(success) and episodes > 0
-                    and self._success_dropped(tag, success, episodes)):
+                    and self._success_dropped(tag, success, episodes, metrics.get(prefix + "effective_episodes"))):
                 signals["success_drop"] = success
             self.held[tag] = signals
             collapsing = "success_drop" in signals and len(signals) >= self.min_signals and tag not in self.fired_tags

@@ -33,6 +33,7 @@ REPETITION = "repetition"
 THINK_ANSWER_AGREEMENT = "think_answer_agreement"
 THINK_WORDS = "think_words"
 EPISODES = "episodes"
+EFFECTIVE_EPISODES = "effective_episodes"
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -67,6 +68,21 @@ def _reasoning(ok: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
+def effective_episodes(groups: Sequence[Sequence[float]]) -> float:
+    """How many independent episodes the success share of these groups (0/1 successes, one list per group of
+    trajectories that share an initial state) is worth: ``p (1 - p)`` over the share's cluster-robust variance,
+    between 1 and the episodes. Where a board is easy or hard for all its trajectories (RAGEN's random FrozenLake and
+    Sokoban boards), the share varies more than a binomial of the episodes says; where outcomes do not cluster, this
+    is about the episode count."""
+    n = sum(len(g) for g in groups)
+    share = sum(sum(g) for g in groups) / n if n else 0.0
+    if len(groups) < 2 or not 0.0 < share < 1.0:
+        return float(n)
+    k = len(groups)
+    variance = k / (k - 1) * sum((len(g) / n) ** 2 * (sum(g) / len(g) - share) ** 2 for g in groups)
+    return float(n) if variance <= 0 else min(float(n), max(1.0, share * (1 - share) / variance))
+
+
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Metrics of one set of episodes (all of one env tag, or all)."""
     ok = [ep for ep in episodes if ep.failed is None]
@@ -88,6 +104,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
             repetition.append(1 - (len(set(texts)) - 1) / (len(texts) - 1))
     out.update({
         EPISODES: float(len(ok)),  # what the success share averages over (the Echo Trap alarm's test needs it)
+        EFFECTIVE_EPISODES: effective_episodes([[float(e.success) for e in g] for g in groups.values()]),
         SUCCESS: _mean([float(ep.success) for ep in ok]),
         PASS_AT_K: _mean([float(any(e.success for e in g)) for g in groups.values()]),
         RETURN_MEAN: returns.mean().item(),

@@ -204,6 +204,24 @@ def test_alarm_history_survives_a_checkpoint():
     assert restored.observe(drop) == alarm.observe(drop) and "success_drop" in alarm.last_signals
 
 
+def test_success_test_counts_effective_episodes():
+    """A fall from 0.4 to 0.15 over 64 episodes a step is z > 4 counted as independent episodes; where the groups'
+    successes cluster so that a step is worth 8 of its 64 (design effect 8), the same fall is noise."""
+    def fall(effective):
+        metrics = stream(10, lambda i: 0.4 if i < 5 else 0.15)
+        for m in metrics:
+            m["rollout/Bandit/effective_episodes"] = effective
+        return metrics
+
+    assert run(EchoTrapAlarm(), fall(64.0)) != []
+    alarm = EchoTrapAlarm()
+    assert run(alarm, fall(8.0)) == []
+    assert alarm.design == {"Bandit": (80.0, 10)}
+    restored = EchoTrapAlarm()
+    restored.load_state_dict(json.loads(json.dumps(alarm.state_dict())))
+    assert restored.design == alarm.design
+
+
 @pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
 def test_other_loggers(kind, tiny_model_path, tmp_path, monkeypatch):
     """wandb in offline mode (no network) and TensorBoard both take a run, sample table included."""
@@ -250,6 +268,12 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     assert all(h == 1 and 1 <= a - h <= 3 for name, (h, a) in bandit.items() if name != "grpo0"), bandit
     rates = echo_trap.false_alarm_rates(runs=10, steps=60)
     assert set(rates) == set(echo_trap.LEVELS) and max(rates.values()) <= 0.1, rates
+    # Groups on boards of their own (intra-class correlation 0.3): counting episodes as independent fires on most
+    # no-learning runs at 15-30% success; the design effect from effective_episodes keeps it quiet.
+    naive = echo_trap.false_alarm_rates(runs=10, steps=60, icc=0.3, effective=False)
+    corrected = echo_trap.false_alarm_rates(runs=10, steps=60, icc=0.3)
+    assert naive[0.15] >= 0.5 and naive[0.3] >= 0.5, naive
+    assert max(corrected.values()) <= 0.1, corrected
     monkeypatch.setattr(sys, "argv", ["echo_trap.py", "--simulated", "2", "--steps", "20"])
     echo_trap.main()
     out = capsys.readouterr().out

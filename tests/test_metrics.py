@@ -1,11 +1,13 @@
 """Reasoning metrics (issue 15): does the thinking name the actions it answers, and how long is it."""
 
+import random
+
 import pytest
 
 from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.countdown import Countdown
 from ragen_pl.envs.sokoban import Sokoban
-from ragen_pl.metrics import episode_metrics, think_answer_agreement
+from ragen_pl.metrics import effective_episodes, episode_metrics, think_answer_agreement
 from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from tests.rollout.test_collector import Scripted
 
@@ -32,6 +34,7 @@ def test_metrics_count_turns_that_parsed(tiny):
     m = episode_metrics(result.episodes)
     assert m["think_answer_agreement"] == pytest.approx(0.5)  # turn 0 agrees, turn 1 not; turn 2 did not parse
     assert m["think_words"] == pytest.approx((3 + 4) / 2)
+    assert m["effective_episodes"] == m["episodes"] == 1  # one group: nothing to cluster
 
 
 def test_no_agreement_for_free_text_actions(tiny):
@@ -40,6 +43,39 @@ def test_no_agreement_for_free_text_actions(tiny):
     result = Collector(engine, tok, RolloutConfig(max_turns=1)).collect([EpisodeSpec(Countdown(), seed=0, group_id=0)])
     m = episode_metrics(result.episodes)
     assert "think_answer_agreement" not in m and m["think_words"] == 2
+
+
+def test_effective_episodes_by_hand():
+    # Two groups of 2, all wins in one, all losses in the other: share 0.5; cluster-robust variance
+    # 2/1 x ((2/4)^2 (1 - 0.5)^2 + (2/4)^2 (0 - 0.5)^2) = 0.25, so p (1 - p) / 0.25 = 1 episode's worth.
+    assert effective_episodes([[1, 1], [0, 0]]) == pytest.approx(1.0)
+    # Groups of 1: 2/1 x (1/2)^2 x (0.25 + 0.25) = 0.25 -> 1 as well (n - 1 for independent episodes)
+    assert effective_episodes([[1], [0]]) == pytest.approx(1.0)
+    # Group means that are all the same: no between-group spread, the episode count; all wins: the count too.
+    assert effective_episodes([[1, 0], [0, 1], [1, 0]]) == 6
+    assert effective_episodes([[1, 1], [1, 1]]) == 4
+    # Three groups: share 4/9; group means 1, 1/3, 0; variance 3/2 x (1/3)^2 x ((5/9)^2 + (1/9)^2 + (4/9)^2) = 7/81,
+    # p (1 - p) = 20/81: worth 20/7 episodes of 9.
+    assert effective_episodes([[1, 1, 1], [0, 0, 1], [0, 0, 0]]) == pytest.approx(20 / 7)
+    # Group means 2/3, 1/3, 1/3: variance 1/81, worth 20 -- more than were played, so the 9 played.
+    assert effective_episodes([[1, 1, 0], [1, 0, 0], [0, 1, 0]]) == 9
+
+
+@pytest.mark.parametrize("icc", [0.0, 0.1, 0.3, 0.5])
+def test_effective_episodes_against_the_design_effect(icc):
+    """Over simulated steps of 8 groups x 8 it finds about n / (1 + (m - 1) icc) where boards are easy or hard for
+    all their trajectories (success drawn per group); for independent episodes somewhat under the 64 played, as no
+    step is credited with more than were played (conservative)."""
+    rng = random.Random(0)
+    values = []
+    for _ in range(2000):
+        rates = [rng.betavariate(0.3 * (1 - icc) / icc, 0.7 * (1 - icc) / icc) if icc else 0.3 for _ in range(8)]
+        values.append(effective_episodes([[float(rng.random() < r) for _ in range(8)] for r in rates]))
+    found = len(values) / sum(1 / v for v in values)  # the harmonic mean: variances average, not their inverses
+    if icc:
+        assert found == pytest.approx(64 / (1 + 7 * icc), rel=0.1)
+    else:
+        assert 0.75 * 64 <= found <= 64
 
 
 def test_mean_over_ranks_weights_each_rank_and_tolerates_missing_keys(monkeypatch):
