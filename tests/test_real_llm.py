@@ -28,11 +28,15 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     baseline = float(re.search(r"random policy on the 4 evaluation seeds \(2 plays each, 10 actions\): success "
                                r"([0-9.]+)", text).group(1))
     assert 0.0 <= baseline <= 1.0
+    effective = float(re.search(r"random effective moves \(no walk into a wall or off the map\) on the same seeds: "
+                                r"success ([0-9.]+)", text).group(1))
+    assert 0.0 <= effective <= 1.0
     assert re.search(r"\(final, last weights\)", text)
     assert re.search(r"per iteration: [0-9.]+ s = generation [0-9.]+ \+ scoring [0-9.]+ \+ update [0-9.]+", text)
     assert re.search(r"collapse metrics at iteration 0: I\(X;Z\) -?[0-9.]+ of at most [0-9.]+, H\(Z\|X\) [0-9.]+ nats "
                      r"per sequence; retrieval accuracy [0-9.]+ \(chance [0-9.]+\)", text), text
     assert re.search(r"actions per episode at step 0: [0-9.]+; the random policy with [0-9]+ actions: success [0-9.]+",
                      text), text
-    assert re.search(r"^\s+0\s+[0-9.]+\s+[0-9.]+\s+[0-9]+\s+[0-9.]+\s+[-+][0-9.]+ vs random \(>= \+0\.10\)$", text,
+    assert re.search(r"^\s+0\s+[0-9.]+\s+[0-9.]+\s+[0-9]+\s+[0-9.]+\s+[-+][0-9.]+ vs random \(>= \+0\.10\), "
+                     r"[-+][0-9.]+ vs random effective$", text,
                      re.MULTILINE), text

@@ -119,3 +119,13 @@ def test_unknown_warm_start_names_the_known_ones():
 
     with pytest.raises(ConfigError, match=r"ragen-pl/smollm2-135m-warm-chess.*choose one of .*warm-bandit"):
         resolve_model(f"{SMOLLM2}-warm-chess")
+
+
+@pytest.mark.parametrize("env", ["frozenlake", "sokoban"])
+def test_effective_warm_start_is_its_envs_recipe_on_effective_play(env):
+    from dataclasses import replace
+
+    from ragen_pl.models.smollm2 import SMOLLM2_WARM
+
+    assert SMOLLM2_WARM[env].play == "random"
+    assert SMOLLM2_WARM[f"{env}-effective"] == replace(SMOLLM2_WARM[env], play="effective")

@@ -62,6 +62,32 @@ def test_demonstrations_are_random_legal_play_in_the_rollout_layout(tiny_model_p
         assert assistant == "".join(t["assistant"] for t in r["turns"])  # the loss covers exactly the answers
 
 
+def test_effective_demonstrations_replay_as_moves_that_change_the_state():
+    """Replaying each record's episode (same reset seed, same slips): every action was effective where it was taken,
+    the turns end where the episode does, and an unknown play is refused."""
+    import pytest
+
+    config = warm_start_rollout()
+    for env in (Sokoban(), FrozenLake()):
+        seeds, reset = [], env.reset
+        env.reset = lambda seed, reset=reset, seeds=seeds: seeds.append(seed) or reset(seed)  # (record the seeds)
+        records = demonstrations([env], 6, config, seed=3, play="effective")
+        noops = 0
+        for seed, r in zip(seeds, records, strict=True):
+            reset(seed)
+            for turn in r["turns"]:
+                for a in turn["assistant"].split("<answer>")[1].split("</answer>")[0].split(" || "):
+                    assert a in env.effective_actions()
+                    _, _, done, info = env.step(a)
+                    noops += not info["action_is_effective"]
+            used = sum(len(t["assistant"].split(" || ")) for t in r["turns"])
+            assert done or used == config.max_actions_per_episode or len(r["turns"]) == config.max_turns
+        if isinstance(env, Sokoban):
+            assert noops == 0  # on FrozenLake the ice may slip into an edge
+    with pytest.raises(ValueError, match="`play` must be one of random, effective, expert, got 'solver'"):
+        demonstrations([Sokoban()], 1, config, play="solver")
+
+
 def test_sft_command_path_lowers_the_loss(tiny_model_path, tmp_path):
     records = demonstrations([Sokoban()], 8, warm_start_rollout(), seed=1)
     write_jsonl(records, tmp_path / "d.jsonl")

@@ -67,6 +67,14 @@ class Env(ABC):
         """The next action of a strong policy (a solver, or the known best arm), for demos and baselines."""
         raise NotImplementedError(f"{type(self).__name__} ships no expert policy")
 
+    def effective_actions(self) -> tuple[str, ...]:
+        """The actions whose intended move changes the state here (no walk into a wall or off the map). Knows the
+        rules, not the goal: random play over them is still random, only board-aware (the ``effective`` warm start
+        of :func:`ragen_pl.sft.demonstrations`). Default: every action."""
+        if self.actions is None:
+            raise TypeError(f"{type(self).__name__} takes free text; it has no named actions")
+        return self.actions
+
     def parse_action(self, text: str) -> int | None:
         """Index of a discrete action name (case-insensitive, surrounding whitespace ignored), else ``None``."""
         if self.actions is None:

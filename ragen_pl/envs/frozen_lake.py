@@ -121,6 +121,12 @@ class FrozenLake(Env):
             self._policy = value_iteration(self)[1]
         return self._policy.get(self.pos, "Left")
 
+    def effective_actions(self) -> tuple[str, ...]:
+        """The directions that point to a tile on the map (the ice may still slip sideways)."""
+        r, c = self.pos
+        n = self.size
+        return tuple(a for a, (dr, dc) in zip(self.actions, _MOVES) if 0 <= r + dr < n and 0 <= c + dc < n)
+
     @property
     def finished(self) -> bool:
         return self.pos == self.goal or self.pos in self.holes or self.steps >= self.max_steps

@@ -168,6 +168,12 @@ class Sokoban(Env):
             raise RuntimeError("the room cannot be solved from this state")
         return plan[0]
 
+    def effective_actions(self) -> tuple[str, ...]:
+        """The moves that move the player: not into a wall, and no push of a box into a wall or another box."""
+        fixed, boxes, p = self.fixed, self.boxes, self.player
+        return tuple(a for a, d in zip(self.actions, self._deltas) if fixed[p + d] != WALL and (
+            p + d not in boxes or (fixed[p + 2 * d] != WALL and p + 2 * d not in boxes)))
+
     @property
     def solved(self) -> bool:
         return all(self.fixed[b] == TARGET for b in self.boxes)

@@ -8,7 +8,8 @@
 * ``ragen-pl/smollm2-135m-warm-<env>`` (``bandit``, ``frozenlake``, ``sokoban``): that model after a short format
   warm start on *random legal play* of the env (:func:`ragen_pl.sft.demonstrations`), in the ``<answer>``-only
   layout and rollout settings of ``configs/smollm2-<env>.yaml``. It teaches the answer format and the action names,
-  never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
+  never a solution. ``-warm-frozenlake-effective`` and ``-warm-sokoban-effective`` play random *effective* moves
+  instead (no walk into a wall or off the map): still no goal in them, but the answer depends on the board. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
   parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ragen_pl.errors import ConfigError
@@ -41,6 +42,8 @@ class WarmStart:
     lr: float = 1e-4
     batch_size: int = 8
     env_args: dict = field(default_factory=dict)
+    play: str = "random"
+    """How the demonstrations play (:func:`ragen_pl.sft.demonstrations`): ``random`` or ``effective``."""
 
 
 #: ``ragen-pl/smollm2-135m-warm-<env>``: each recipe matches ``configs/smollm2-<env>.yaml``. Bump the version to
@@ -55,6 +58,10 @@ SMOLLM2_WARM = {
                          max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24,
                          env_args={"cell_separator": " "}),
 }
+# ``<env>-effective``: the same recipe on random *effective* moves (no walk into a wall or off the map): the answer
+# depends on the board from the start, still with no goal, reward or solver in it.
+SMOLLM2_WARM.update({f"{env}-effective": replace(SMOLLM2_WARM[env], play="effective")
+                     for env in ("frozenlake", "sokoban")})
 SMOLLM2_WARM_VERSION = 1
 
 
@@ -74,7 +81,7 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     if (out / "config.json").exists() and not overwrite:
         return out
     records = demonstrations([registry.resolve("envs", recipe.env, **recipe.env_args)], recipe.episodes,
-                             RolloutConfig(**recipe.rollout), seed=0)
+                             RolloutConfig(**recipe.rollout), seed=0, play=recipe.play)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
     replace_dir(tmp, out)

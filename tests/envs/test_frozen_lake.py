@@ -137,3 +137,21 @@ def test_cell_separator_spells_the_same_states():
 def test_bad_cell_separator_names_the_field(sep, match):
     with pytest.raises((TypeError, ValueError), match=rf"`cell_separator` {match}|`cell_separator` must .*{match}"):
         FrozenLake(cell_separator=sep)
+
+
+def test_effective_actions_are_the_moves_that_stay_on_the_map():
+    env = FrozenLake(size=4, slippery=False)
+    env.reset(0)
+    for pos, expected in [((0, 0), {"Down", "Right"}), ((0, 2), {"Left", "Down", "Right"}),
+                          ((3, 3), {"Left", "Up"}), ((1, 2), {"Left", "Down", "Right", "Up"})]:
+        env.pos = pos
+        assert set(env.effective_actions()) == expected, pos
+    for seed in range(30):  # reference: on ice that does not slip, an effective action is one that moves the player
+        env.reset(seed)
+        for pos in [(r, c) for r in range(4) for c in range(4) if (r, c) not in env.holes | {env.goal}]:
+            moving = set()
+            for a in env.actions:
+                env.pos, env.steps = pos, 0
+                moving |= {a} if env.step(a)[3]["action_is_effective"] else set()
+            env.pos = pos
+            assert set(env.effective_actions()) == moving

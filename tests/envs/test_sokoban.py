@@ -156,3 +156,26 @@ def test_cell_separator_spells_the_same_rooms_and_loads_them():
     assert spaced.player == 3 * 6 + 2 and spaced.boxes == {2 * 6 + 2}
     with pytest.raises(ValueError, match="no grid symbol"):
         Sokoban(cell_separator="#")
+
+
+def test_effective_actions_are_the_moves_that_move_the_player():
+    env = Sokoban()
+    env.load("######\n#____#\n#PXX_#\n#_OO_#\n#____#\n######")  # wall left, box then box right
+    assert set(env.effective_actions()) == {"Up", "Down"}
+    env.load("######\n#__O_#\n#_√P_#\n#____#\n#X___#\n######")  # box on target left, free behind it
+    assert set(env.effective_actions()) == {"Up", "Down", "Left", "Right"}
+    env.load("######\n#XP__#\n#____#\n#_O__#\n#____#\n######")  # wall up, box against the wall left
+    assert set(env.effective_actions()) == {"Down", "Right"}
+    rng = random.Random(0)
+    for seed in range(40):  # reference: apply each action to a copy of the state and see whether the player moved
+        env.reset(seed)
+        for _ in range(8):
+            if env.solved:  # (every move is refused once solved)
+                break
+            room, moving = env.render(), set()
+            for a in env.actions:
+                env.load(room)
+                moving |= {a} if env.step(a)[3]["action_is_effective"] else set()
+            env.load(room)
+            assert set(env.effective_actions()) == moving, room
+            env.step(rng.choice(env.actions))
