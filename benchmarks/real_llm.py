@@ -127,17 +127,17 @@ def main() -> int:
 
     from ragen_pl.cli import main as cli
     from ragen_pl.hardware import cpu_has_native_bf16
-    from ragen_pl.models.smollm2 import build_smollm2_warm
+    from ragen_pl.models.smollm2 import SMOLLM2, build_smollm2_warm
 
     torch.set_num_threads(args.threads)
     precision = args.precision if args.precision != "auto" else "bf16-mixed" if cpu_has_native_bf16() else "32-true"
     print(f"precision {precision}, {args.threads} torch thread(s)", flush=True)
     own_model = any(a.startswith("--model.model") for a in extra)  # (a smoke test trains another model)
-    if args.warm == "effective":
-        if args.env == "bandit":
-            parser.error("--warm effective: Bandit has no board (every arm changes nothing); use FrozenLake or Sokoban")
-        extra = [f"--model.model=ragen-pl/smollm2-135m-warm-{args.env}-effective", *extra]
+    if args.warm == "effective" and args.env == "bandit":
+        parser.error("--warm effective: Bandit has no board (every arm changes nothing); use FrozenLake or Sokoban")
     warm = args.env if args.warm == "random" else f"{args.env}-effective"
+    if args.warm == "effective":
+        extra = [f"--model.model={SMOLLM2}-warm-{warm}", *extra]
     extra = [f"--torch_threads={args.threads}", f"--trainer.precision={precision}", *extra]
     cfg = load_config(args.env)
     for arg in extra:  # evaluation overrides given for the fit hold for the random baseline too

@@ -61,17 +61,15 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
                 # random and expert choose the turn's actions up front; effective picks each in the state it acts on
                 planned = ([env.expert_action()] if play == "expert" else
                            [rng.choice(env.actions) for _ in range(n)] if play == "random" else None)
-                actions, reward, done = [], 0.0, False
+                actions, reward, done = planned or [], 0.0, False  # (a random turn may name actions past the end)
                 for i in range(len(planned) if planned else n):
-                    action = planned[i] if planned else rng.choice(env.effective_actions() or env.actions)
-                    actions.append(action)
-                    obs, r, done, _ = env.step(action)
+                    if not planned:  # (a boxed-in player has no effective move: any action then)
+                        actions.append(rng.choice(env.effective_actions() or env.actions))
+                    obs, r, done, _ = env.step(actions[i])
                     reward += r
                     used += 1
                     if done:
                         break
-                if planned:
-                    actions = planned  # (as written: a random turn names actions past the end)
                 answer = " || ".join(actions)
                 text = (f"I will try {' then '.join(actions)}.</think><answer>{answer}</answer>" if config.think
                         else f"{answer}</answer>")

@@ -8,9 +8,10 @@
 * ``ragen-pl/smollm2-135m-warm-<env>`` (``bandit``, ``frozenlake``, ``sokoban``): that model after a short format
   warm start on *random legal play* of the env (:func:`ragen_pl.sft.demonstrations`), in the ``<answer>``-only
   layout and rollout settings of ``configs/smollm2-<env>.yaml``. It teaches the answer format and the action names,
-  never a solution. ``-warm-frozenlake-effective`` and ``-warm-sokoban-effective`` play random *effective* moves
-  instead (no walk into a wall or off the map): still no goal in them, but the answer depends on the board. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
+  never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
   parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
+  ``-warm-frozenlake-effective`` and ``-warm-sokoban-effective`` play random *effective* moves instead (no walk into
+  a wall or off the map): still no goal in them, but the answer depends on the board.
 """
 
 from __future__ import annotations
