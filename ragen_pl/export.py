@@ -64,10 +64,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     policy = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     lora = hparams.get("lora")
     if lora:
-        from peft import LoraConfig, get_peft_model
+        from ragen_pl.config import LoraSettings, from_saved
+        from ragen_pl.policy import add_lora
 
-        policy = get_peft_model(policy, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                                   target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+        policy = add_lora(policy, from_saved(LoraSettings, lora))
     missing, unexpected = policy.load_state_dict(_policy_weights(state), strict=False)
     # Tied output embeddings may be absent from the saved keys; anything else missing is a wrong checkpoint.
     missing = [k for k in missing if not k.endswith("lm_head.weight")]

@@ -40,8 +40,12 @@ def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Pat
     return module, tmp_path / "hf"
 
 
-@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8), LoraSettings(r=4, alpha=8, last_layers=1),
+                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"])],
+                         ids=["full", "lora", "lora-last-layer", "lora-lm-head"])
 def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
+    """The export gives the trained policy's log-probs, whichever modules carry the adapters (the last layers only;
+    the output head, untied from the input embeddings it shared, so the merge leaves those alone)."""
     if lora is not None:
         pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ragen-pl[peft]')")
     module, out = _train_and_export(tiny_model_path, tmp_path, lora)

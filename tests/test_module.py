@@ -373,3 +373,40 @@ def test_lora_on_the_last_layers_trains_them_and_stops_backward_there(tiny_model
     assert not unchanged, unchanged[:3]
     with pytest.raises(ValueError, match=r"`--model.lora.last_layers` must be at most the model's \d+ layers, got 99"):
         RagenModule(str(tiny_model_path), lora=LoraSettings(last_layers=99))
+
+
+def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddings(tiny_model_path):
+    """`--model.lora.target_modules=[lm_head]`: an adapter on the output head only (a readout of the last hidden
+    state). The tiny model ties head and input embeddings; the head gets its own copy first, so training and
+    merging the adapter never touch the embeddings, no decoder layer needs grad, and the merged weights (what vLLM
+    and an export get) are the head plus B A scaled."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.policy import policy_state_dict
+
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(),
+                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"]),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
+    base = module.policy.get_base_model()
+    embed, head = base.get_input_embeddings().weight, base.get_output_embeddings().base_layer.weight
+    assert embed is not head and torch.equal(embed, head) and not base.config.tie_word_embeddings
+    embed_before = embed.detach().clone()
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    assert sorted(n.split("lm_head.")[1] for n in trained) == ["lora_A.default.weight", "lora_B.default.weight"]
+    needs_grad = set()
+    hook = base.model.layers[-1].register_forward_hook(
+        lambda m, a, out: needs_grad.add((out[0] if isinstance(out, tuple) else out).requires_grad))
+    try:
+        trainer(1).fit(module, dm)
+    finally:
+        hook.remove()
+    assert needs_grad == {False}  # backward starts and ends in the head
+    assert all(not torch.equal(p, trained[n]) for n, p in module.named_parameters() if p.requires_grad)
+    assert torch.equal(embed, embed_before)
+    lora_head = base.get_output_embeddings()
+    delta = lora_head.lora_B["default"].weight @ lora_head.lora_A["default"].weight * lora_head.scaling["default"]
+    merged = policy_state_dict(module.policy, lora=True)
+    torch.testing.assert_close(merged["lm_head.weight"], head + delta)
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], embed_before)
