@@ -1,0 +1,314 @@
+"""How many trajectories does RL need on FrozenLake or Sokoban when all it has to learn is a linear readout of the board?
+
+    python benchmarks/readout_rl.py [--env frozenlake|sokoban] [--features onehot llm] [--lrs 0.03 0.1 0.3]
+                                    [--seeds 0 1 2] [--iterations 60]
+
+A diagnostic of issue 20's sample budget, never a result: nothing here trains SmolLM2. The policy is a softmax over
+the four actions of a linear function of fixed features of the current board, starting at zero (uniform: the
+board-blind play of the random-play warm start), and it learns as the SmolLM2 runs do: the env of
+``configs/smollm2-<env>.yaml`` (RAGEN's FrozenLake 4x4, slippery, random start and goal; Sokoban 6x6, one box) with
+one action a turn and its 10-action budget, ``--n-groups`` fresh boards a step x ``--group-size`` trajectories on
+each (a group shares its seed, so its slips), the episode's summed reward as the score (FrozenLake: 0/1 success;
+Sokoban: -0.1 a step, +1 a box on target, +10 solved), GRPO advantages (:func:`ragen_pl.advantages.grpo`), the variance filter keeping the top half of
+the groups (:func:`ragen_pl.filters.select_groups`), one Adam step on the token-mean policy gradient. Evaluation:
+the config's evaluation seeds (``--plays`` each) at its evaluation temperature, every ``--eval-every`` iterations.
+
+Features:
+
+* ``onehot``: each cell's symbol, one-hot (the board itself; what any reader of the grid can use);
+* ``local``: hand-made facts about the player's surroundings and the goal's direction (:class:`Local`), an
+  optimistic reader;
+* ``llm``: SmolLM2-135M-Instruct's hidden state (``--layer``) at the last token of the rollout's prompt for that
+  board (:func:`probe_reading.hidden_states`; a linear probe on it names an optimal first action on held-out boards
+  2.3x as often as chance), standardised. This is the policy RL could reach by learning the readout alone: the
+  LoRA runs have that readout and far more parameters, so their sample budget is no smaller than what this needs.
+
+Printed per feature set and learning rate: evaluation success every ``--eval-every`` iterations (mean over
+``--seeds``), and the first iteration (and trajectories) at which the mean reaches the random policy's success
++ ``--goal`` on the same seeds (issue 20: FrozenLake +0.10; Sokoban a gain of two standard errors). The SmolLM2
+runs afford 1,000-2,000 trajectories in 90 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from real_llm import load_config, make_env, random_success  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+
+
+class OneHot:
+    """Each cell's symbol one-hot, from the board as rendered without separators."""
+
+    def __init__(self) -> None:
+        self.symbols: list[str] = []
+
+    def __call__(self, envs) -> torch.Tensor:
+        import torch
+
+        grids = [env.render().replace(env.cell_separator, "").replace("\n", "") if env.cell_separator
+                 else env.render().replace("\n", "") for env in envs]
+        for g in grids:
+            self.symbols += sorted({ch for ch in g if ch not in self.symbols})
+        x = torch.zeros(len(grids), len(grids[0]) * 8)
+        for i, g in enumerate(grids):
+            for j, ch in enumerate(g):
+                x[i, j * 8 + self.symbols.index(ch)] = 1.0
+        return x
+
+
+class Local:
+    """Hand-made features that put what the optimal move depends on within a linear reader's reach: per direction,
+    what lies on the neighbouring cell (and, in Sokoban, the one beyond it, where a pushed box would go), and where
+    the goal (FrozenLake) or the box and its target (Sokoban) lie from the player, as signs of their row and column
+    offsets. An optimistic reader: SmolLM2 has to find these facts in the text."""
+
+    def __call__(self, envs) -> torch.Tensor:
+        import torch
+
+        return torch.stack([self.frozen_lake(env) if hasattr(env, "holes") else self.sokoban(env) for env in envs])
+
+    @staticmethod
+    def _signs(dr: int, dc: int) -> list[float]:
+        x = [0.0] * 9
+        x[3 * ((dr > 0) - (dr < 0) + 1) + (dc > 0) - (dc < 0) + 1] = 1.0
+        return x
+
+    def frozen_lake(self, env) -> torch.Tensor:
+        import torch
+
+        (r, c), n, x = env.pos, env.size, []
+        for dr, dc in ((0, -1), (1, 0), (0, 1), (-1, 0)):  # the env's action order
+            cell = (r + dr, c + dc)
+            kind = 0 if not (0 <= cell[0] < n and 0 <= cell[1] < n) else 2 if cell in env.holes else \
+                3 if cell == env.goal else 1
+            x += [float(kind == k) for k in range(4)]
+        return torch.tensor(x + self._signs(env.goal[0] - r, env.goal[1] - c))
+
+    def sokoban(self, env) -> torch.Tensor:
+        import torch
+
+        def kind(i: int) -> int:  # wall, floor, target, box, box on target
+            return 0 if env.fixed[i] == 0 else (3 if env.fixed[i] == 1 else 4) if i in env.boxes else env.fixed[i]
+
+        p, cols, x = env.player, env.cols, []
+        for d in env._deltas:
+            near = kind(p + d)
+            beyond = kind(p + 2 * d) if near in (3, 4) else None  # where a push would send the box
+            x += [float(near == k) for k in range(5)] + [float(beyond == k) for k in range(5)]
+        box = next(iter(env.boxes))
+        target = next(i for i, f in enumerate(env.fixed) if f == 2)
+        x += self._signs(box // cols - p // cols, box % cols - p % cols)
+        x += self._signs(target // cols - box // cols, target % cols - box % cols)
+        return torch.tensor(x)
+
+
+class Hidden:
+    """SmolLM2's hidden state at the last prompt token of each board's rollout prompt, computed once per board."""
+
+    def __init__(self, cfg: dict, layer: int, standardise_on: list) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ragen_pl.models.smollm2 import build_smollm2
+
+        path = build_smollm2()
+        self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.cfg, self.layer, self.known = cfg, layer, {}
+        self.mean = self.std = None
+        x = self(standardise_on)
+        self.mean, self.std = x.mean(0), x.std(0) + 1e-6
+
+    def __call__(self, envs) -> torch.Tensor:
+        import torch
+        from probe_reading import first_turn, hidden_states
+
+        obs = [env.render() for env in envs]
+        new = sorted({o for o in obs if o not in self.known})
+        if new:
+            h = hidden_states(self.model, self.tok, self.cfg, [first_turn(self.cfg, envs[0], o) for o in new],
+                              [self.layer])[:, 0]
+            self.known.update(zip(new, h))
+        x = torch.stack([self.known[o] for o in obs])
+        return x if self.mean is None else (x - self.mean) / self.std
+
+
+def play(envs, features, w, temperature: float, gen, budget: int):
+    """Play ``envs`` (already reset) to the end with softmax(features @ w / temperature); return per env its
+    success, the (feature, action) pairs of each turn and the summed reward."""
+    import torch
+
+    n = len(envs)
+    live, success, score = list(range(n)), [0.0] * n, [0.0] * n
+    turns: list[list[tuple]] = [[] for _ in range(n)]
+    for _ in range(budget):
+        if not live:
+            break
+        x = features([envs[i] for i in live])
+        probs = torch.softmax((x @ w) / temperature, -1)
+        acts = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        still = []
+        for k, i in enumerate(live):
+            _, reward, done, info = envs[i].step(envs[i].actions[int(acts[k])])
+            turns[i].append((x[k], int(acts[k])))
+            score[i] += reward
+            if info.get("success"):
+                success[i] = 1.0
+            if not (done or info.get("success")):
+                still.append(i)
+        live = still
+    return success, turns, score
+
+
+def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], list[float]]:
+    """Evaluation success at iterations 0, eval_every, 2 eval_every, ... of one learning run, and the training
+    success (temperature 1) of each iteration."""
+    import torch
+
+    from ragen_pl.advantages import grpo
+    from ragen_pl.filters import select_groups
+
+    data = cfg["data"]
+    budget = data["rollout"].get("max_actions_per_episode", 10)
+    probe = make_env(data["env"])
+    probe.reset(0)
+    dim = features([probe]).shape[1]
+    w = torch.zeros(dim + 1, 4, requires_grad=True)  # the last row is the bias
+    opt = torch.optim.Adam([w], lr=lr) if args.optimizer == "adam" else torch.optim.SGD([w], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    val_first = data.get("val_seed", 1_000_000)
+
+    def feats(envs):
+        x = features(envs)
+        return torch.cat([x, x.new_ones(len(envs), 1)], 1)
+
+    def evaluate() -> float:
+        envs = []
+        for s in range(val_first, val_first + data["val_episodes"]):
+            for _ in range(args.plays):
+                envs.append(make_env(data["env"]))
+                envs[-1].reset(s)
+        with torch.no_grad():
+            success, _, _ = play(envs, feats, w, args.val_temperature, torch.Generator().manual_seed(7), budget)
+        return sum(success) / len(success)
+
+    curve, train, next_seed = [evaluate()], [], 10_000 * (seed + 1)
+    for it in range(1, args.iterations + 1):
+        envs, group_ids = [], []
+        for g in range(args.n_groups):
+            for _ in range(args.group_size):
+                envs.append(make_env(data["env"]))
+                envs[-1].reset(next_seed + g)
+                group_ids.append(g)
+        next_seed += args.n_groups
+        with torch.no_grad():
+            success, turns, score = play(envs, feats, w, 1.0, gen, budget)
+        train.append(sum(success) / len(success))
+        scores, gid = torch.tensor(score), torch.tensor(group_ids)
+        adv = grpo(scores, gid, scale="group")
+        std = torch.stack([scores[gid == g].std() for g in range(args.n_groups)])
+        kept = select_groups(std, "top_p", args.top_p)[gid]
+        # token-mean: every turn weighs the same (the SmolLM2 runs' loss_agg); seq-mean: every trajectory does
+        rows = [(x, a, float(adv[i]) * (len(turns[i]) if args.agg == "token" else 1) / len(turns[i]))
+                for i in range(len(envs)) if kept[i] for x, a in turns[i]]
+        if rows:
+            x = torch.stack([r[0] for r in rows])
+            a = torch.tensor([r[1] for r in rows])
+            advantage = torch.tensor([r[2] for r in rows])
+            logps = torch.log_softmax(x @ w, -1)
+            logp = logps[torch.arange(len(rows)), a]
+            entropy = -(logps.exp() * logps).sum(-1)
+            norm = len(rows) if args.agg == "token" else int(kept.sum())
+            loss = -(advantage * logp).sum() / norm - args.entropy_coeff * entropy.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if it % args.eval_every == 0:
+            curve.append(evaluate())
+    return curve, train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", choices=("frozenlake", "sokoban"), default="frozenlake")
+    parser.add_argument("--goal", type=float, default=0.10, help="the gain over the random policy to reach")
+    parser.add_argument("--features", nargs="+", choices=("onehot", "local", "llm"),
+                        default=["onehot", "local", "llm"])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--n-groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--top-p", type=float, default=0.5, help="the variance filter's kept share of groups")
+    parser.add_argument("--plays", type=int, default=4, help="plays per evaluation seed")
+    parser.add_argument("--layer", type=int, default=30)
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--entropy-coeff", type=float, default=0.0)
+    parser.add_argument("--val-temperature", type=float, default=None,
+                        help="evaluation temperature (default: the config's val_temperature)")
+    parser.add_argument("--agg", choices=("token", "seq"), default="token",
+                        help="token-mean (every turn weighs the same) or seq-mean (every trajectory does)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    for name in ("iterations", "eval_every", "n_groups", "plays"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group_size < 2:
+        parser.error(f"--group-size must be >= 2 (GRPO compares within a group), got {args.group_size}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.env)
+    if args.val_temperature is None:
+        args.val_temperature = cfg["data"].get("val_temperature", 1.0)
+    baseline = random_success(cfg, 20)
+    per_it = args.n_groups * args.group_size
+    print(f"{args.env} ({cfg['data']['val_episodes']} evaluation seeds x {args.plays}, temperature "
+          f"{args.val_temperature:g}): random policy {baseline:.3f}, goal {baseline + args.goal:.3f}; "
+          f"{per_it} trajectories an iteration ({args.n_groups} groups x {args.group_size}), filter top "
+          f"{args.top_p:g}", flush=True)
+    for name in args.features:
+        start = time.perf_counter()
+        if name in ("onehot", "local"):
+            features = OneHot() if name == "onehot" else Local()
+        else:
+            envs = [make_env(cfg["data"]["env"]) for _ in range(256)]
+            for i, env in enumerate(envs):
+                env.reset(random.Random(i).randrange(10**6))
+            features = Hidden(cfg, args.layer, envs)
+        for lr in args.lrs:
+            runs = [run(cfg, features, lr, seed, args) for seed in args.seeds]
+            curves = [c for c, _ in runs]
+            k = min(10, args.iterations)
+            first, last = (sum(sum(t[s]) / k for _, t in runs) / len(runs) for s in (slice(0, k), slice(-k, None)))
+            mean = [sum(c[k] for c in curves) / len(curves) for k in range(len(curves[0]))]
+            hit = next((k * args.eval_every for k, m in enumerate(mean) if m >= baseline + args.goal), None)
+            points = ", ".join(f"{k * args.eval_every}: {m:.3f}" for k, m in enumerate(mean))
+            reached = (f"goal at iteration {hit} ({hit * per_it} trajectories)" if hit is not None
+                       else f"goal not reached in {args.iterations} ({args.iterations * per_it} trajectories)")
+            print(f"  {name:6} lr {lr:<6g} {points}; {reached}; per seed final "
+                  + " ".join(f"{c[-1]:.3f}" for c in curves) + f"; training success {first:.3f} -> {last:.3f}"
+                  + f" ({time.perf_counter() - start:.0f} s so far)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
