@@ -191,9 +191,18 @@ class LoraSettings:
     """Adapters only in the last N decoder layers (peft's ``layers_to_transform``). The layers below stay frozen and
     run without autograd, so backward stops at the first adapted layer: with 10 of SmolLM2's 30 layers the update
     computes a third of the backward. None: every layer."""
+    center_head: bool = False
+    """With ``lm_head`` among the targets: its adapter reads the last hidden state less its component along the mean
+    direction (fixed at the first update from the scored positions), so it learns what depends on the input rather
+    than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs)."""
 
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
+        if not isinstance(self.center_head, bool):
+            raise TypeError(f"`--model.lora.center_head` must be true or false, got {self.center_head!r}")
+        if self.center_head and (isinstance(self.target_modules, str) or "lm_head" not in self.target_modules):
+            raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
+                             f"`--model.lora.target_modules`, got {self.target_modules!r}")
         if self.last_layers is not None:
             check_int("--model.lora.last_layers", self.last_layers)
         _check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)

@@ -65,7 +65,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     lora = hparams.get("lora")
     if lora:
         from ragen_pl.config import LoraSettings, from_saved
-        from ragen_pl.policy import add_lora
+        from ragen_pl.lora import add_lora, fold_centering
 
         policy = add_lora(policy, from_saved(LoraSettings, lora))
     missing, unexpected = policy.load_state_dict(_policy_weights(state), strict=False)
@@ -75,6 +75,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint {ckpt} does not match {hparams['model']}: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     if lora:
+        fold_centering(policy)
         policy = policy.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)

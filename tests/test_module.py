@@ -410,3 +410,42 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
     merged = policy_state_dict(module.policy, lora=True)
     torch.testing.assert_close(merged["lm_head.weight"], head + delta)
     torch.testing.assert_close(merged["model.embed_tokens.weight"], embed_before)
+
+
+def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
+    """`--model.lora.center_head`: the head adapter's mean direction u is fixed at the first update (a unit vector,
+    the mean of the scored hidden states), the trained adapter ignores u (A u = 0 once folded; the same logits before
+    and after folding), and the merged weights an engine gets give the trained policy's logits."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import MEAN_DIRECTION, fold_centering
+    from ragen_pl.policy import policy_state_dict
+
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(),
+                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=True),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
+    lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
+    assert not getattr(lora_a, MEAN_DIRECTION).any()
+    trainer(1).fit(module, dm)
+    u = getattr(lora_a, MEAN_DIRECTION)
+    torch.testing.assert_close(u.norm(), torch.tensor(1.0))
+    assert (lora_a.weight @ u).abs().max() > 1e-3  # not folded yet: the hook projects the input instead
+    module.policy.eval()
+    ids = module.tokenizer("Turn 1:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        trained = module.policy(input_ids=ids).logits
+        fold_centering(module.policy)
+        torch.testing.assert_close((lora_a.weight @ u).abs().max(), torch.tensor(0.0), atol=1e-6, rtol=0)
+        torch.testing.assert_close(module.policy(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        merged = policy_state_dict(module.policy, lora=True)
+        plain = type(module.policy.get_base_model()).from_pretrained(tiny_model_path, tie_word_embeddings=False)
+        plain.load_state_dict(merged)
+        torch.testing.assert_close(plain.eval()(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+    base = type(module.policy.get_base_model()).from_pretrained(tiny_model_path).eval()
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, trained)  # the adapter trained
+    with pytest.raises(ValueError, match=r"`--model.lora.center_head` centres the output head's adapter: it needs "
+                                         r"lm_head in `--model.lora.target_modules`, got 'all-linear'"):
+        LoraSettings(center_head=True)
