@@ -1,7 +1,7 @@
 """How many trajectories does RL need on FrozenLake or Sokoban when all it has to learn is a linear readout of the board?
 
-    python benchmarks/readout_rl.py [--env frozenlake|sokoban] [--features onehot llm] [--lrs 0.03 0.1 0.3]
-                                    [--seeds 0 1 2] [--iterations 60]
+    python benchmarks/readout_rl.py [--env frozenlake|sokoban] [--features onehot local llm] [--lrs 0.03 0.1 0.3]
+                                    [--seeds 0 1 2] [--iterations 60] [--common 0.067 [--center]]
 
 A diagnostic of issue 20's sample budget, never a result: nothing here trains SmolLM2. The policy is a softmax over
 the four actions of a linear function of fixed features of the current board, starting at zero (uniform: the
@@ -9,8 +9,8 @@ board-blind play of the random-play warm start), and it learns as the SmolLM2 ru
 ``configs/smollm2-<env>.yaml`` (RAGEN's FrozenLake 4x4, slippery, random start and goal; Sokoban 6x6, one box) with
 one action a turn and its 10-action budget, ``--n-groups`` fresh boards a step x ``--group-size`` trajectories on
 each (a group shares its seed, so its slips), the episode's summed reward as the score (FrozenLake: 0/1 success;
-Sokoban: -0.1 a step, +1 a box on target, +10 solved), GRPO advantages (:func:`ragen_pl.advantages.grpo`), the variance filter keeping the top half of
-the groups (:func:`ragen_pl.filters.select_groups`), one Adam step on the token-mean policy gradient. Evaluation:
+Sokoban: -0.1 a step, +1 a box on target, +10 solved), GRPO advantages (:func:`ragen_pl.advantages.grpo`), the
+variance filter keeping the top half of the groups (:func:`ragen_pl.filters.select_groups`), one Adam step on the token-mean policy gradient. Evaluation:
 the config's evaluation seeds (``--plays`` each) at its evaluation temperature, every ``--eval-every`` iterations.
 
 Features:
@@ -20,8 +20,14 @@ Features:
   optimistic reader;
 * ``llm``: SmolLM2-135M-Instruct's hidden state (``--layer``) at the last token of the rollout's prompt for that
   board (:func:`probe_reading.hidden_states`; a linear probe on it names an optimal first action on held-out boards
-  2.3x as often as chance), standardised. This is the policy RL could reach by learning the readout alone: the
-  LoRA runs have that readout and far more parameters, so their sample budget is no smaller than what this needs.
+  2.3x as often as chance), standardised: the policy RL could reach by learning a readout of the model's own state.
+
+Geometry: SmolLM2's last hidden state is mostly what every prompt shares (each dimension varies across boards by
+0.067 of its size). ``--common EPS`` gives any feature set that shape (a fixed vector common to every board plus EPS
+times the features), to see what it does to learning; ``--center`` then reads the features less their component
+along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``).
+``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
+``--val-temperature`` vary the rest of the rule.
 
 Printed per feature set and learning rate: evaluation success every ``--eval-every`` iterations (mean over
 ``--seeds``), and the first iteration (and trajectories) at which the mean reaches the random policy's success
@@ -188,8 +194,18 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
     gen = torch.Generator().manual_seed(seed)
     val_first = data.get("val_seed", 1_000_000)
 
+    offset = None
+    if args.common is not None:  # SmolLM2's geometry: a large part common to every board, a small part that is not
+        offset = torch.randn(dim, generator=torch.Generator().manual_seed(1234))
+
+    mean_direction = None  # --center: ragen_pl.lora's centred head, the direction fixed at the first update
+
     def feats(envs):
         x = features(envs)
+        if offset is not None:
+            x = offset + args.common * x
+        if mean_direction is not None:
+            x = x - (x @ mean_direction).unsqueeze(-1) * mean_direction
         return torch.cat([x, x.new_ones(len(envs), 1)], 1)
 
     def evaluate() -> float:
@@ -221,6 +237,11 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
         # token-mean: every turn weighs the same (the SmolLM2 runs' loss_agg); seq-mean: every trajectory does
         rows = [(x, a, float(adv[i]) * (len(turns[i]) if args.agg == "token" else 1) / len(turns[i]))
                 for i in range(len(envs)) if kept[i] for x, a in turns[i]]
+        if args.center and mean_direction is None:
+            raw = torch.stack([x[:-1] for t in turns for x, _ in t])
+            mean_direction = raw.mean(0) / raw.mean(0).norm()
+            rows = [(torch.cat([x[:-1] - (x[:-1] @ mean_direction) * mean_direction, x[-1:]]), a, adv)
+                    for x, a, adv in rows]
         if rows:
             x = torch.stack([r[0] for r in rows])
             a = torch.tensor([r[1] for r in rows])
@@ -229,7 +250,10 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
             logp = logps[torch.arange(len(rows)), a]
             entropy = -(logps.exp() * logps).sum(-1)
             norm = len(rows) if args.agg == "token" else int(kept.sum())
-            loss = -(advantage * logp).sum() / norm - args.entropy_coeff * entropy.mean()
+            # KL(policy || start): the start is uniform, so KL = log 4 - entropy; k3 on the sampled action as the runs
+            kl = (-logp - torch.log(torch.tensor(4.0))).exp() - 1 + logp + torch.log(torch.tensor(4.0))
+            loss = (-(advantage * logp).sum() / norm - args.entropy_coeff * entropy.mean()
+                    + args.kl_coeff * kl.mean())
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -255,6 +279,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layer", type=int, default=30)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--entropy-coeff", type=float, default=0.0)
+    parser.add_argument("--kl-coeff", type=float, default=0.0, help="KL to the starting (uniform) policy, k3")
+    parser.add_argument("--common", type=float, default=None, metavar="EPS",
+                        help="give the features SmolLM2's geometry: a fixed vector common to every board plus EPS "
+                        "times the features (SmolLM2's last hidden state varies across boards by 0.067 of its "
+                        "per-dimension size)")
+    parser.add_argument("--center", action="store_true",
+                        help="read the features less their component along their mean direction, fixed at the first "
+                        "update (--model.lora.center_head)")
     parser.add_argument("--val-temperature", type=float, default=None,
                         help="evaluation temperature (default: the config's val_temperature)")
     parser.add_argument("--agg", choices=("token", "seq"), default="token",
