@@ -134,6 +134,9 @@ class Hidden:
         self.mean = self.std = None
         x = self(standardise_on)
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
+        self.size, self.spread = float(x.abs().mean()), float(x.std(0).mean())
+        """Mean size of a dimension, and its mean standard deviation across the boards: how much of the state
+        depends on the board (the geometry ``--common`` imitates)."""
 
     def __call__(self, envs) -> torch.Tensor:
         import torch
@@ -326,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, env in enumerate(envs):
                 env.reset(random.Random(i).randrange(10**6))
             features = Hidden(cfg, args.layer, envs)
+            print(f"  SmolLM2 layer {args.layer} over {len(envs)} first boards: a dimension's mean size "
+                  f"{features.size:.3f}, its standard deviation across boards {features.spread:.3f} "
+                  f"({features.spread / features.size:.3f} of it)", flush=True)
         for lr in args.lrs:
             runs = [run(cfg, features, lr, seed, args) for seed in args.seeds]
             curves = [c for c, _ in runs]
