@@ -23,7 +23,7 @@ Features:
   2.3x as often as chance), standardised: the policy RL could reach by learning a readout of the model's own state.
 
 Geometry: SmolLM2's last hidden state is mostly what every prompt shares (each dimension varies across boards by
-0.067 of its size). ``--common EPS`` gives any feature set that shape (a fixed vector common to every board plus EPS
+0.064 of its size, as ``--features llm`` prints). ``--common EPS`` gives any feature set that shape (a fixed vector common to every board plus EPS
 times the features), to see what it does to learning; ``--center`` then reads the features less their component
 along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``).
 ``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
@@ -38,6 +38,7 @@ runs afford 1,000-2,000 trajectories in 90 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -62,8 +63,7 @@ class OneHot:
     def __call__(self, envs) -> torch.Tensor:
         import torch
 
-        grids = [env.render().replace(env.cell_separator, "").replace("\n", "") if env.cell_separator
-                 else env.render().replace("\n", "") for env in envs]
+        grids = [env.render().replace(env.cell_separator, "").replace("\n", "") for env in envs]
         for g in grids:
             self.symbols += sorted({ch for ch in g if ch not in self.symbols})
         x = torch.zeros(len(grids), len(grids[0]) * 8)
@@ -152,6 +152,11 @@ class Hidden:
         return x if self.mean is None else (x - self.mean) / self.std
 
 
+def project_out(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``x`` less its component along the unit vector ``u`` (the centred head's projection, ragen_pl.lora)."""
+    return x - (x @ u).unsqueeze(-1) * u
+
+
 def play(envs, features, w, temperature: float, gen, budget: int):
     """Play ``envs`` (already reset) to the end with softmax(features @ w / temperature); return per env its
     success, the (feature, action) pairs of each turn and the summed reward."""
@@ -208,7 +213,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
         if offset is not None:
             x = offset + args.common * x
         if mean_direction is not None:
-            x = x - (x @ mean_direction).unsqueeze(-1) * mean_direction
+            x = project_out(x, mean_direction)
         return torch.cat([x, x.new_ones(len(envs), 1)], 1)
 
     def evaluate() -> float:
@@ -243,8 +248,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
         if args.center and mean_direction is None:
             raw = torch.stack([x[:-1] for t in turns for x, _ in t])
             mean_direction = raw.mean(0) / raw.mean(0).norm()
-            rows = [(torch.cat([x[:-1] - (x[:-1] @ mean_direction) * mean_direction, x[-1:]]), a, adv)
-                    for x, a, adv in rows]
+            rows = [(torch.cat([project_out(x[:-1], mean_direction), x[-1:]]), a, adv) for x, a, adv in rows]
         if rows:
             x = torch.stack([r[0] for r in rows])
             a = torch.tensor([r[1] for r in rows])
@@ -253,8 +257,10 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
             logp = logps[torch.arange(len(rows)), a]
             entropy = -(logps.exp() * logps).sum(-1)
             norm = len(rows) if args.agg == "token" else int(kept.sum())
-            # KL(policy || start): the start is uniform, so KL = log 4 - entropy; k3 on the sampled action as the runs
-            kl = (-logp - torch.log(torch.tensor(4.0))).exp() - 1 + logp + torch.log(torch.tensor(4.0))
+            # KL(policy || start), the start uniform: k3 on the sampled action, 1/r - 1 + log r with r = 4 p
+            # (ragen_pl.losses.kl_penalty's estimator, without its clamp)
+            log_r = logp + math.log(4)
+            kl = (-log_r).exp() - 1 + log_r
             loss = (-(advantage * logp).sum() / norm - args.entropy_coeff * entropy.mean()
                     + args.kl_coeff * kl.mean())
             opt.zero_grad()
@@ -285,8 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl-coeff", type=float, default=0.0, help="KL to the starting (uniform) policy, k3")
     parser.add_argument("--common", type=float, default=None, metavar="EPS",
                         help="give the features SmolLM2's geometry: a fixed vector common to every board plus EPS "
-                        "times the features (SmolLM2's last hidden state varies across boards by 0.067 of its "
-                        "per-dimension size)")
+                        "times the features (SmolLM2's last hidden state varies across boards by 0.064 of its "
+                        "per-dimension size over 256 boards, 0.067 over 16: the README's runs used 0.067)")
     parser.add_argument("--center", action="store_true",
                         help="read the features less their component along their mean direction, fixed at the first "
                         "update (--model.lora.center_head)")

@@ -2,8 +2,8 @@
 the output head, a readout of the last hidden state; and the centred head.
 
 Why a centred head (``--model.lora.center_head``, issue 20): SmolLM2's last hidden state is mostly what every
-prompt shares. Over FrozenLake boards each of its 576 dimensions varies by 0.067 of its size
-(``benchmarks/readout_rl.py``). An adapter reading that state moves the answer every board gets (the action prior)
+prompt shares. Over FrozenLake boards each of its 576 dimensions varies by 0.064 of its size
+(``benchmarks/readout_rl.py --features llm``). An adapter reading that state moves the answer every board gets (the action prior)
 through the shared part, 15x as fast as the part that depends on the board, and policy-gradient noise on the prior
 wins: in the readout simulation the same board features that reach the FrozenLake goal in 1,280 trajectories learn
 nothing at any learning rate once given that geometry, as the SmolLM2 runs sharpened a board-blind prior. The centred
@@ -98,5 +98,5 @@ def fold_centering(policy: nn.Module) -> None:
         u = getattr(module, MEAN_DIRECTION, None)
         if isinstance(module, nn.Linear) and u is not None and bool(u.any()):
             with torch.no_grad():
-                w = module.weight
-                w -= (w @ u.to(w.dtype)).unsqueeze(-1) * u.to(w.dtype)
+                w, u = module.weight, u.to(module.weight.dtype)
+                w -= (w @ u).unsqueeze(-1) * u
