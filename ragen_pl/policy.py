@@ -141,7 +141,7 @@ def policy_state_dict(policy: nn.Module, lora: bool) -> dict[str, Tensor]:
     policy.merge_adapter()
     try:
         return {
-            k.replace("base_model.model.", "", 1).replace(".base_layer", ""): v.detach().clone()
+            k.replace("base_model.model.", "", 1).replace(".base_layer", ""): full_tensor(v.detach()).clone()
             for k, v in policy.state_dict().items() if "lora_" not in k
         }
     finally:

@@ -223,3 +223,50 @@ def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_p
         assert r["copied"] == r["expected"] == r["itself"]
         assert r["gathers_while_sampling"] == 0
         assert r["copy_dtype"] == "torch.bfloat16" and all(n >= 1 for n in r["mixed_lengths"])
+
+
+def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_path):
+    """FSDP2 on 2 CPU processes with LoRA on layers and a centred head (`center_head=2`): both ranks fix the same
+    shared directions, those of the second moment summed over both ranks' hidden states, and the merged weights an
+    engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
+    those directions. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
+    first rollout."""
+    import socket
+
+    from transformers import AutoModelForCausalLM
+
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import SHARED_DIRECTIONS, add_lora
+    from ragen_pl.policy import policy_state_dict
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "lora_shard_worker.py"), str(rank), "2",
+                               str(port), str(tiny_model_path), str(tmp_path / f"rank{rank}.json")],
+                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    directions = torch.tensor(ranks[0]["directions"])
+    assert torch.equal(directions, torch.tensor(ranks[1]["directions"]))
+    _, vectors = torch.linalg.eigh(sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks))
+    reference = vectors[:, -2:]
+    torch.testing.assert_close((directions @ directions.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
+
+    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2)
+    policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        getattr(policy.get_base_model().get_output_embeddings().lora_A["default"], SHARED_DIRECTIONS).copy_(directions)
+    plain = policy_state_dict(policy, lora=True)
+    for rank in ranks:
+        assert set(rank["merged"]) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+                                       "model.layers.0.self_attn.q_proj.bias", "model.layers.1.mlp.down_proj.weight"}
+        for key, value in rank["merged"].items():
+            torch.testing.assert_close(torch.tensor(value), plain[key], atol=1e-5, rtol=1e-5)
