@@ -25,7 +25,8 @@ Features:
 Geometry: SmolLM2's last hidden state is mostly what every prompt shares (each dimension varies across boards by
 0.064 of its size, as ``--features llm`` prints). ``--common EPS`` gives any feature set that shape (a fixed vector common to every board plus EPS
 times the features), to see what it does to learning; ``--center`` then reads the features less their component
-along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``).
+along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``: the learner
+reads one kind of position, so one direction is its shared part).
 ``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
 ``--val-temperature`` vary the rest of the rule.
 
@@ -152,11 +153,6 @@ class Hidden:
         return x if self.mean is None else (x - self.mean) / self.std
 
 
-def project_out(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``x`` less its component along the unit vector ``u`` (the centred head's projection, ragen_pl.lora)."""
-    return x - (x @ u).unsqueeze(-1) * u
-
-
 def play(envs, features, w, temperature: float, gen, budget: int):
     """Play ``envs`` (already reset) to the end with softmax(features @ w / temperature); return per env its
     success, the (feature, action) pairs of each turn and the summed reward."""
@@ -191,6 +187,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
 
     from ragen_pl.advantages import grpo
     from ragen_pl.filters import select_groups
+    from ragen_pl.lora import project_out
 
     data = cfg["data"]
     budget = data["rollout"].get("max_actions_per_episode", 10)
@@ -247,7 +244,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
                 for i in range(len(envs)) if kept[i] for x, a in turns[i]]
         if args.center and mean_direction is None:
             raw = torch.stack([x[:-1] for t in turns for x, _ in t])
-            mean_direction = raw.mean(0) / raw.mean(0).norm()
+            mean_direction = (raw.mean(0) / raw.mean(0).norm()).unsqueeze(-1)
             rows = [(torch.cat([project_out(x[:-1], mean_direction), x[-1:]]), a, adv) for x, a, adv in rows]
         if rows:
             x = torch.stack([r[0] for r in rows])
@@ -295,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "per-dimension size over 256 boards, 0.067 over 16: the README's runs used 0.067)")
     parser.add_argument("--center", action="store_true",
                         help="read the features less their component along their mean direction, fixed at the first "
-                        "update (--model.lora.center_head)")
+                        "update (--model.lora.center_head with one kind of position)")
     parser.add_argument("--val-temperature", type=float, default=None,
                         help="evaluation temperature (default: the config's val_temperature)")
     parser.add_argument("--agg", choices=("token", "seq"), default="token",

@@ -191,15 +191,15 @@ class LoraSettings:
     """Adapters only in the last N decoder layers (peft's ``layers_to_transform``). The layers below stay frozen and
     run without autograd, so backward stops at the first adapted layer: with 10 of SmolLM2's 30 layers the update
     computes a third of the backward. None: every layer."""
-    center_head: bool = False
-    """With ``lm_head`` among the targets: its adapter reads the last hidden state less its component along the mean
-    direction (fixed at the first update from the scored positions), so it learns what depends on the input rather
-    than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs)."""
+    center_head: int = 0
+    """With ``lm_head`` among the targets: its adapter reads the last hidden state less its components along this
+    many leading directions of the scored positions' hidden states (fixed at the first update), so it learns what
+    depends on the input rather than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs).
+    0: off; about the number of kinds of answer token (4 for FrozenLake's ``Up</answer>``)."""
 
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
-        if not isinstance(self.center_head, bool):
-            raise TypeError(f"`--model.lora.center_head` must be true or false, got {self.center_head!r}")
+        check_int("--model.lora.center_head", self.center_head, low=0)
         if self.center_head and (isinstance(self.target_modules, str) or "lm_head" not in self.target_modules):
             raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
                              f"`--model.lora.target_modules`, got {self.target_modules!r}")

@@ -7,10 +7,14 @@ prompt shares. Over FrozenLake boards each of its 576 dimensions varies by 0.064
 through the shared part, 15x as fast as the part that depends on the board, and policy-gradient noise on the prior
 wins: in the readout simulation the same board features that reach the FrozenLake goal in 1,280 trajectories learn
 nothing at any learning rate once given that geometry, as the SmolLM2 runs sharpened a board-blind prior. The centred
-head's adapter reads the hidden state less its component along the mean direction ``u``, fixed at the first update
-from the policy's own hidden states at the positions it scores (the adapter is 0 until that step, so nothing sampled
-before depends on ``u``). ``A (h - (h.u) u) = A' h`` with ``A' = A (I - u u^T)``, so the adapter folds into plain LoRA
-weights for merges and exports (:func:`fold_centering`).
+head's adapter reads the hidden state less its components along the ``k`` leading directions ``U`` of the hidden states
+at the positions it scores (the top eigenvectors of their second moment, fixed at the first update; the adapter is 0
+until then, so nothing sampled before depends on ``U``). Each kind of scored position (the action, then ``</``,
+``answer``, ``>``) has its own shared part, so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake
+answers the shared part at the action position stays 4.1x the board part after the mean direction is projected out,
+and 0.58x after the 4 leading ones, which keep 95% of the board part (``benchmarks/head_geometry.py``).
+``A (h - U U^T h) = A' h`` with ``A' = A (I - U U^T)``, so the adapter folds into plain LoRA weights for merges and
+exports (:func:`fold_centering`).
 
 Used by :func:`ragen_pl.policy.load_models` and ``ragen-pl export``, so a checkpoint's adapters (and ``u``, a buffer
 saved with them) find the same modules in both.
@@ -23,10 +27,11 @@ from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
 
-__all__ = ["add_lora", "fold_centering", "untie_output_embeddings"]
+__all__ = ["add_lora", "fold_centering", "project_out", "shared_directions", "untie_output_embeddings"]
 
-MEAN_DIRECTION = "mean_direction"
-"""The buffer of a centred head's ``lora_A`` module: the unit mean direction ``u`` (zeros until the first update)."""
+SHARED_DIRECTIONS = "shared_directions"
+"""The buffer of a centred head's ``lora_A`` module: the (hidden, k) orthonormal directions ``U`` it leaves out (zeros
+until the first update)."""
 
 
 def add_lora(policy: nn.Module, lora: LoraSettings) -> nn.Module:
@@ -54,7 +59,7 @@ def add_lora(policy: nn.Module, lora: LoraSettings) -> nn.Module:
                                                target_modules=targets, task_type="CAUSAL_LM",
                                                layers_to_transform=layers))
     if lora.center_head:
-        _center(policy.get_base_model().get_output_embeddings().lora_A["default"])
+        _center(policy.get_base_model().get_output_embeddings().lora_A["default"], lora.center_head)
     return policy
 
 
@@ -72,31 +77,48 @@ def untie_output_embeddings(model: nn.Module) -> None:
         text.tie_word_embeddings = False
 
 
-def _center(lora_a: nn.Linear) -> None:
-    lora_a.register_buffer(MEAN_DIRECTION, torch.zeros(lora_a.in_features, dtype=lora_a.weight.dtype))
-    lora_a.register_forward_pre_hook(_project_out_mean)
+def _center(lora_a: nn.Linear, k: int) -> None:
+    if k > lora_a.in_features:
+        raise ValueError(f"`--model.lora.center_head` must be at most the hidden size {lora_a.in_features}, got {k}")
+    lora_a.register_buffer(SHARED_DIRECTIONS, torch.zeros(lora_a.in_features, k, dtype=lora_a.weight.dtype))
+    lora_a.register_forward_pre_hook(_project_out_shared)
 
 
-def _project_out_mean(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+def shared_directions(h: Tensor, k: int) -> Tensor:
+    """The (H, k) leading eigenvectors of the second moment of the rows of ``h`` (n, H), summed over processes so
+    that every process leaves out the same directions."""
+    h = h.detach().reshape(-1, h.shape[-1]).double()
+    moment = h.T @ h
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(moment)
+    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
+    return vectors[:, -k:].flip(-1)
+
+
+def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     (h,) = args  # (..., H): the hidden states the head reads
-    u = getattr(module, MEAN_DIRECTION)
-    if not bool(u.any()):
+    directions = getattr(module, SHARED_DIRECTIONS)
+    if not bool(directions.any()):
         if not (torch.is_grad_enabled() and module.training):
-            return args  # before the first update the adapter is 0: nothing depends on u yet
-        mean = h.detach().reshape(-1, h.shape[-1]).float().mean(0)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(mean)  # every process reads the same direction
-        u.copy_(mean / mean.norm())
-    u = u.to(h.dtype)
-    return (h - (h @ u).unsqueeze(-1) * u,)
+            return args  # before the first update the adapter is 0: nothing depends on U yet
+        directions.copy_(shared_directions(h, directions.shape[1]))
+    return (project_out(h, directions.to(h.dtype)),)
+
+
+def project_out(h: Tensor, directions: Tensor) -> Tensor:
+    """``h`` (..., H) less its components along the orthonormal columns of ``directions`` (H, k)."""
+    return h - (h @ directions) @ directions.T
 
 
 def fold_centering(policy: nn.Module) -> None:
-    """Fold a centred head's projection into its ``lora_A`` weight (``A <- A (I - u u^T)``): the adapter computes the
-    same, and merging it into the head (engines, exports) is then exact. A no-op without a centred head."""
+    """Fold a centred head's projection into its ``lora_A`` weight (``A <- A (I - U U^T)``): the adapter computes the
+    same, and merging it into the head (engines, exports) is then exact. A no-op without a centred head. Row by row,
+    so under FSDP2 each process folds its own rows of ``A``."""
     for module in policy.modules():
-        u = getattr(module, MEAN_DIRECTION, None)
+        u = getattr(module, SHARED_DIRECTIONS, None)
         if isinstance(module, nn.Linear) and u is not None and bool(u.any()):
+            w = module.weight
+            w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor sharded by rows (FSDP2's dim 0)
             with torch.no_grad():
-                w, u = module.weight, u.to(module.weight.dtype)
-                w -= (w @ u).unsqueeze(-1) * u
+                u = u.to(w.dtype)
+                w -= (w @ u) @ u.T

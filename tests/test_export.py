@@ -42,7 +42,7 @@ def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Pat
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8), LoraSettings(r=4, alpha=8, last_layers=1),
                                   LoraSettings(r=4, alpha=8, target_modules=["lm_head"]),
-                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=True)],
+                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2)],
                          ids=["full", "lora", "lora-last-layer", "lora-lm-head", "lora-centred-head"])
 def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
     """The export gives the trained policy's log-probs, whichever modules carry the adapters (the last layers only;

@@ -413,24 +413,34 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
 
 
 def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
-    """`--model.lora.center_head`: the head adapter's mean direction u is fixed at the first update (a unit vector,
-    the mean of the scored hidden states), the trained adapter ignores u (A u = 0 once folded; the same logits before
-    and after folding), and the merged weights an engine gets give the trained policy's logits."""
+    """`--model.lora.center_head=k`: the head adapter's k shared directions U are fixed at the first update (the
+    leading eigenvectors of the scored hidden states' second moment: orthonormal, and those a plain eigen-decomposition
+    of the hidden states the head read gives), the trained adapter ignores U (A U = 0 once folded; the same logits
+    before and after folding), and the merged weights an engine gets give the trained policy's logits."""
     pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import MEAN_DIRECTION, fold_centering
+    from ragen_pl.lora import SHARED_DIRECTIONS, fold_centering
     from ragen_pl.policy import policy_state_dict
 
     module = RagenModule(str(tiny_model_path), advantage=GRPO(),
-                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=True),
+                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=3),
                          ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-2))
     dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
                            rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
     lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
-    assert not getattr(lora_a, MEAN_DIRECTION).any()
+    assert not getattr(lora_a, SHARED_DIRECTIONS).any()
+    seen = []  # what the head read at the first grad-enabled forward, by a plain hook that runs before the centring
+    lora_a.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()) if torch.is_grad_enabled()
+                                     and m.training and not seen else None, prepend=True)
     trainer(1).fit(module, dm)
-    u = getattr(lora_a, MEAN_DIRECTION)
-    torch.testing.assert_close(u.norm(), torch.tensor(1.0))
+    u = getattr(lora_a, SHARED_DIRECTIONS)
+    assert u.shape == (lora_a.in_features, 3)
+    torch.testing.assert_close(u.T @ u, torch.eye(3), atol=1e-5, rtol=0)
+    h = seen[0].reshape(-1, u.shape[0]).double()
+    values, vectors = torch.linalg.eigh(h.T @ h)
+    reference = vectors[:, -3:]  # the 3 largest, up to sign: compare the projectors
+    torch.testing.assert_close((u @ u.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
+    assert values[-3] > values[-4]  # the 3 leading directions are defined
     assert (lora_a.weight @ u).abs().max() > 1e-3  # not folded yet: the hook projects the input instead
     module.policy.eval()
     ids = module.tokenizer("Turn 1:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
@@ -448,4 +458,6 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
         assert not torch.allclose(base(input_ids=ids).logits, trained)  # the adapter trained
     with pytest.raises(ValueError, match=r"`--model.lora.center_head` centres the output head's adapter: it needs "
                                          r"lm_head in `--model.lora.target_modules`, got 'all-linear'"):
-        LoraSettings(center_head=True)
+        LoraSettings(center_head=4)
+    with pytest.raises(ValueError, match=r"`--model.lora.center_head` must be an integer >= 0, got True"):
+        LoraSettings(target_modules=["lm_head"], center_head=True)

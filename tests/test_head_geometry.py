@@ -1,0 +1,60 @@
+"""benchmarks/head_geometry.py: the hidden states it measures are those the head reads at the answer's scored
+positions, and the directions it leaves out are the centred head's own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def head_geometry(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("head_geometry", None)
+    import head_geometry
+
+    return head_geometry
+
+
+def test_scored_positions_are_the_answers(head_geometry, tiny):
+    """Position 0 is the prompt's last token (its output is the action): the same state a forward of the prompt
+    alone ends with; the next ones are the action's and the closing tag's, whose outputs are the tag's tokens."""
+    from probe_reading import first_turn
+    from real_llm import load_config, make_env
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import ChatTokens
+
+    model, tok = tiny
+    model.eval()
+    cfg = load_config("frozenlake")
+    h, actions = head_geometry.scored_hidden_states(model, tok, cfg, range(2), torch.Generator().manual_seed(0))
+    close = tok("</answer>", add_special_tokens=False)["input_ids"]
+    assert h.shape == (2, 1 + len(close), model.config.hidden_size) and len(actions) == 2
+    env = make_env(cfg["data"]["env"])
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
+    prompt = ChatTokens(tok, rollout.system_prompt, first_turn(cfg, env, env.reset(1)), rollout.think).ids
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    torch.testing.assert_close(h[1, 0], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_leading_directions_remove_a_shared_part(head_geometry):
+    """Rows that share one of 3 large vectors plus a small individual part: the 3 leading directions of their second
+    moment remove the shared vectors (what is left is the individual part's size) and keep most of the individual
+    part; the mean direction alone does not."""
+    from ragen_pl.lora import project_out, shared_directions
+
+    gen = torch.Generator().manual_seed(0)
+    shared = 10 * torch.randn(3, 64, generator=gen)
+    h = shared.repeat(200, 1) + 0.1 * torch.randn(600, 64, generator=gen)
+    directions = shared_directions(h, 3)
+    torch.testing.assert_close(directions.T @ directions, torch.eye(3, dtype=directions.dtype), atol=1e-6, rtol=0)
+    assert project_out(h, directions.float()).norm(dim=-1).max() < 1.5
+    u = (h.mean(0) / h.mean(0).norm()).unsqueeze(-1)
+    assert project_out(h, u).norm(dim=-1).min() > 10
