@@ -78,3 +78,14 @@ def play_turns(engine, tok, first: list[list[int]], replies: list[str], static: 
                        enumerate(zip(prompts, gens))]
             prompts[-1] = tok(f"Turn {turn}: a fresh prompt")["input_ids"]
     return turns
+
+
+def import_benchmark(monkeypatch, name: str):
+    """A fresh import of ``benchmarks/<name>.py`` (the folder on ``sys.path`` for this test only)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)

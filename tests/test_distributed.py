@@ -201,25 +201,28 @@ def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
     assert adv[2:].abs().sum() == 0
 
 
-def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_path):
-    """FSDP2 on 2 CPU processes: the hf engine samples a sharded policy through an unsharded copy, without a single
-    all-gather while sampling and without ranks waiting for each other, and gets the unsharded model's tokens (the
-    sharded model sampling itself, in lockstep, gets them too). Under autocast the copy holds the compute dtype."""
-    import json
+def _two_workers(script: str, model_path, tmp_path) -> list[dict]:
+    """Run ``tests/<script>`` as ranks 0 and 1 of a gloo group (one thread each) and return what each wrote."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharded_sampling_worker.py"), str(rank), "2",
-                               str(port), str(tiny_model_path), str(tmp_path / f"rank{rank}.json")],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / script), str(rank), "2", str(port),
+                               str(model_path), str(tmp_path / f"rank{rank}.json")],
                               cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
-    for rank in range(2):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_path):
+    """FSDP2 on 2 CPU processes: the hf engine samples a sharded policy through an unsharded copy, without a single
+    all-gather while sampling and without ranks waiting for each other, and gets the unsharded model's tokens (the
+    sharded model sampling itself, in lockstep, gets them too). Under autocast the copy holds the compute dtype."""
+    for r in _two_workers("sharded_sampling_worker.py", tiny_model_path, tmp_path):
         assert r["copied"] == r["expected"] == r["itself"]
         assert r["gathers_while_sampling"] == 0
         assert r["copy_dtype"] == "torch.bfloat16" and all(n >= 1 for n in r["mixed_lengths"])
@@ -231,25 +234,13 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
     engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
     those directions. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
     first rollout."""
-    import socket
-
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import SHARED_DIRECTIONS, add_lora
     from ragen_pl.policy import policy_state_dict
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "lora_shard_worker.py"), str(rank), "2",
-                               str(port), str(tiny_model_path), str(tmp_path / f"rank{rank}.json")],
-                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    ranks = _two_workers("lora_shard_worker.py", tiny_model_path, tmp_path)
     directions = torch.tensor(ranks[0]["directions"])
     assert torch.equal(directions, torch.tensor(ranks[1]["directions"]))
     _, vectors = torch.linalg.eigh(sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks))

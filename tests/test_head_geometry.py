@@ -3,22 +3,19 @@ positions, and the directions it leaves out are the centred head's own."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def head_geometry(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("head_geometry", None)
-    import head_geometry
-
-    return head_geometry
+    return import_benchmark(monkeypatch, "head_geometry")
 
 
 def test_scored_positions_are_the_answers(head_geometry, tiny):

@@ -4,22 +4,19 @@ claim, and bad flags are refused in one line."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import import_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def readout_rl(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("readout_rl", None)
-    import readout_rl
-
-    return readout_rl
+    return import_benchmark(monkeypatch, "readout_rl")
 
 
 def test_learns_a_fixed_map(readout_rl):
