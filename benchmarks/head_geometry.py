@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     mean = h.reshape(-1, h.shape[-1]).mean(0)
     u = (mean / mean.norm()).unsqueeze(-1)
     row("less the scored positions' mean direction", project_out(action, u), u)
+    leading = shared_directions(h, max(args.ks))  # one eigen-decomposition; its first k columns for each k
     for k in args.ks:
-        directions = shared_directions(h, k)
+        directions = leading[:, :k]
         row(f"less their {k} leading direction{'s' * (k > 1)} (center_head {k})", project_out(action, directions),
             directions)
     return 0
