@@ -8,8 +8,9 @@ through the shared part, 15x as fast as the part that depends on the board, and 
 wins: in the readout simulation the same board features that reach the FrozenLake goal in 1,280 trajectories learn
 nothing at any learning rate once given that geometry, as the SmolLM2 runs sharpened a board-blind prior. The centred
 head's adapter reads the hidden state less its components along the ``k`` leading directions ``U`` of the hidden states
-at the positions it scores (the top eigenvectors of their second moment, fixed at the first update; the adapter is 0
-until then, so nothing sampled before depends on ``U``). Each kind of scored position (the action, then ``</``,
+at the positions it scores (the top eigenvectors of their second moment, fixed at the first update's first micro-batch
+from the positions :data:`ragen_pl.scoring.SCORED_ROWS` marks; the adapter is 0 until then, so nothing sampled before
+depends on ``U``). Each kind of scored position (the action, then ``</``,
 ``answer``, ``>``) has its own shared part, so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake
 answers the shared part at the action position stays 4.82x the board part after the mean direction is projected out,
 and 0.06x after the 4 leading ones, which keep 0.953 of the board part (``benchmarks/head_geometry.py``).
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
+from ragen_pl.scoring import SCORED_ROWS
 
 __all__ = ["add_lora", "fold_centering", "project_out", "shared_directions", "untie_output_embeddings"]
 
@@ -99,9 +101,15 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
     (h,) = args  # (..., H): the hidden states the head reads
     directions = getattr(module, SHARED_DIRECTIONS)
     if not bool(directions.any()):
-        if not (torch.is_grad_enabled() and module.training):
+        scored = SCORED_ROWS.get()
+        if scored is None or not (torch.is_grad_enabled() and module.training):
             return args  # before the first update the adapter is 0: nothing depends on U yet
-        directions.copy_(shared_directions(h, directions.shape[1]))
+        if scored.shape != h.shape[:-1]:
+            raise RuntimeError(f"the centred head read hidden states of shape {tuple(h.shape)} under a scored-rows "
+                               f"mask of shape {tuple(scored.shape)}")
+        # Only the positions that score a token: the head also reads other rows' answer columns and padding, and a
+        # shared prefix's forward (none of them in the loss).
+        directions.copy_(shared_directions(h[scored], directions.shape[1]))
     return (project_out(h, directions.to(h.dtype)),)
 
 

@@ -23,6 +23,8 @@ that lets packed rows see each other.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +33,27 @@ from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
 
-__all__ = ["Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed", "forward_shared",
+__all__ = ["SCORED_ROWS", "Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed", "forward_shared",
            "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score", "scored_logits",
            "shared_prefix_length", "shift_values", "token_stats", "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
+
+SCORED_ROWS: ContextVar[Tensor | None] = ContextVar("ragen_pl_scored_rows", default=None)
+"""While :func:`scored_logits` runs a model: the (B, C) mask of the LM head's (B, C, H) input rows that score a token
+(None elsewhere, and in a shared prefix's forward, where nothing is scored). The head also reads positions no token
+of its own row is scored at (a column another row scores, padding); a hook on the head that must see only scored
+positions (the centred head, :mod:`ragen_pl.lora`) selects them with it."""
+
+
+@contextmanager
+def _scoring(rows: Tensor | None):
+    token = SCORED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        SCORED_ROWS.reset(token)
 
 
 def shared_prefix_length(ids: Tensor, mask: Tensor) -> int:
@@ -70,7 +87,8 @@ def forward_shared(model: nn.Module, ids: Tensor, attn: Tensor, prefix: int, **k
     B = ids.shape[0]
     cache = DynamicCache()
     head = {"logits_to_keep": 1} if "logits_to_keep" in kwargs else {}  # a causal LM: no logits needed here
-    model(input_ids=ids[:1, :prefix], past_key_values=cache, use_cache=True, **head)
+    with _scoring(None):  # nothing in the prefix is scored
+        model(input_ids=ids[:1, :prefix], past_key_values=cache, use_cache=True, **head)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
     positions = torch.arange(prefix, ids.shape[1], device=ids.device).expand(B, -1)
@@ -141,14 +159,17 @@ def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, pre
     target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
     if pack:
         packed_index = attn.flatten().cumsum(0).view_as(attn) - 1  # (B, T): each real position's packed index
-        out = forward_packed(model, ids, attn, logits_to_keep=packed_index[:, :-1][target], **kwargs)
+        keep = packed_index[:, :-1][target]
+        with _scoring(torch.ones(1, len(keep), dtype=torch.bool, device=ids.device)):
+            out = forward_packed(model, ids, attn, logits_to_keep=keep, **kwargs)
         return out, out.logits[0], ids[:, 1:][target]
     cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
-    if prefix >= MIN_SHARED_PREFIX:
-        out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
-    else:
-        out = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **{"use_cache": False, **kwargs})
     keep = target[:, cols]
+    with _scoring(keep):
+        if prefix >= MIN_SHARED_PREFIX:
+            out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
+        else:
+            out = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **{"use_cache": False, **kwargs})
     return out, out.logits[keep], ids[:, 1:][:, cols][keep]
 
 

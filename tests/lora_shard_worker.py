@@ -15,6 +15,7 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import SHARED_DIRECTIONS, add_lora
     from ragen_pl.policy import policy_state_dict
+    from ragen_pl.scoring import SCORED_ROWS, score
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
@@ -30,12 +31,15 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     fully_shard(policy)
     policy.train()
     ids = torch.randint(3, 100, (2, 6 + 3 * rank), generator=torch.Generator().manual_seed(10 + rank))
-    seen = []
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    mask = attn.clone()
+    mask[:, :2] = False  # the first two tokens are the prompt
+    seen = []  # the head's input at the scored positions (a plain hook, before the centring)
     head_a = policy.get_base_model().get_output_embeddings().lora_A["default"]
-    head_a.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().double()) if not seen else None,
-                                     prepend=True)
-    policy(input_ids=ids).logits.sum().backward()  # the first update's forward fixes the shared directions
-    h = seen[0].reshape(-1, seen[0].shape[-1])
+    head_a.register_forward_pre_hook(
+        lambda m, a: seen.append(a[0][SCORED_ROWS.get()].detach().double()) if not seen else None, prepend=True)
+    score(policy, ids, attn, mask).logprobs.sum().backward()  # the first update's forward fixes the directions
+    h = seen[0]
     merged = policy_state_dict(policy, lora=True)
     with open(out, "w") as f:
         json.dump({"directions": getattr(head_a, SHARED_DIRECTIONS).tolist(), "moment": (h.T @ h).tolist(),

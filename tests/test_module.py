@@ -412,6 +412,42 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
     torch.testing.assert_close(merged["model.embed_tokens.weight"], embed_before)
 
 
+@pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed"])
+def test_centred_head_fits_its_directions_on_the_scored_positions_only(tiny_model_path, layout):
+    """The centred head's U comes from the hidden states at the positions whose tokens are scored, and from nothing
+    else the head reads in the same forward: not a shared prefix's forward (one position, nothing scored: U fitted
+    there was that position's direction and k - 1 arbitrary ones), not the columns only other rows score, not padding. Rows of
+    different lengths after a 20-token common prefix; the reference is a plain forward of the base model's trunk."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from transformers import AutoModelForCausalLM
+
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import SHARED_DIRECTIONS, add_lora
+    from ragen_pl.scoring import score
+
+    policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                      LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=1)).train()
+    g = torch.Generator().manual_seed(0)
+    lengths = [27, 31, 24, 29]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    ids[:, :20] = torch.randint(3, 200, (20,), generator=g)  # the common prefix
+    attn = torch.zeros_like(ids, dtype=torch.bool)
+    mask = torch.zeros_like(attn)
+    for row, n in enumerate(lengths):
+        ids[row, 20:n] = torch.randint(3, 200, (n - 20,), generator=g)
+        attn[row, :n] = True
+        mask[row, n - 3:n] = True  # each row's last 3 tokens are its answer
+    score(policy, ids, attn, mask, share_prefix=layout == "shared_prefix", pack=layout == "packed")
+    u = getattr(policy.get_base_model().get_output_embeddings().lora_A["default"], SHARED_DIRECTIONS)
+    with torch.no_grad():
+        h = policy.get_base_model().model(input_ids=ids, attention_mask=attn).last_hidden_state
+    scored = h[:, :-1][mask[:, 1:]].double()  # the logits at t - 1 score token t: 12 positions
+    assert scored.shape[0] == 12
+    values, vectors = torch.linalg.eigh(scored.T @ scored)
+    assert values[-1] > 1.5 * values[-2]  # the leading direction is well defined
+    torch.testing.assert_close((u @ u.T).double(), vectors[:, -1:] @ vectors[:, -1:].T, atol=2e-3, rtol=0)
+
+
 def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
     """`--model.lora.center_head=k`: the head adapter's k shared directions U are fixed at the first update (the
     leading eigenvectors of the scored hidden states' second moment: orthonormal, and those a plain eigen-decomposition
@@ -421,6 +457,7 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import SHARED_DIRECTIONS, fold_centering
     from ragen_pl.policy import policy_state_dict
+    from ragen_pl.scoring import SCORED_ROWS
 
     module = RagenModule(str(tiny_model_path), advantage=GRPO(),
                          lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=3),
@@ -429,14 +466,19 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
                            rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
     lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
     assert not getattr(lora_a, SHARED_DIRECTIONS).any()
-    seen = []  # what the head read at the first grad-enabled forward, by a plain hook that runs before the centring
-    lora_a.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()) if torch.is_grad_enabled()
-                                     and m.training and not seen else None, prepend=True)
+    seen = []  # the scored positions the head read at the first training forward (a plain hook, before the centring)
+
+    def record(m, a):
+        rows = SCORED_ROWS.get()
+        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
+            seen.append(a[0][rows].detach().clone())
+
+    lora_a.register_forward_pre_hook(record, prepend=True)
     trainer(1).fit(module, dm)
     u = getattr(lora_a, SHARED_DIRECTIONS)
     assert u.shape == (lora_a.in_features, 3)
     torch.testing.assert_close(u.T @ u, torch.eye(3), atol=1e-5, rtol=0)
-    h = seen[0].reshape(-1, u.shape[0]).double()
+    h = seen[0].double()
     values, vectors = torch.linalg.eigh(h.T @ h)
     reference = vectors[:, -3:]  # the 3 largest, up to sign: compare the projectors
     torch.testing.assert_close((u @ u.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
