@@ -10,10 +10,10 @@ nothing at any learning rate once given that geometry, as the SmolLM2 runs sharp
 head's adapter reads the hidden state less its components along the ``k`` leading directions ``U`` of the hidden states
 at the positions it scores (the top eigenvectors of their second moment, fixed at the first update's first micro-batch
 from the positions :data:`ragen_pl.scoring.SCORED_ROWS` marks; the adapter is 0 until then, so nothing sampled before
-depends on ``U``). Each kind of scored position (the action, then ``</``,
-``answer``, ``>``) has its own shared part, so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake
-answers the shared part at the action position stays 4.82x the board part after the mean direction is projected out,
-and 0.06x after the 4 leading ones, which keep 0.953 of the board part (``benchmarks/head_geometry.py``).
+depends on ``U``). Each kind of scored position (the action, then ``</``, ``answer``, ``>``) has its own shared part,
+so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake answers the shared part at the action
+position stays 4.82x the board part after the mean direction is projected out, and 0.06x after the 4 leading ones,
+which keep 0.953 of the board part (``benchmarks/head_geometry.py``).
 ``A (h - U U^T h) = A' h`` with ``A' = A (I - U U^T)``, so the adapter folds into plain LoRA weights for merges and
 exports (:func:`fold_centering`).
 

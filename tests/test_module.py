@@ -416,8 +416,9 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
 def test_centred_head_fits_its_directions_on_the_scored_positions_only(tiny_model_path, layout):
     """The centred head's U comes from the hidden states at the positions whose tokens are scored, and from nothing
     else the head reads in the same forward: not a shared prefix's forward (one position, nothing scored: U fitted
-    there was that position's direction and k - 1 arbitrary ones), not the columns only other rows score, not padding. Rows of
-    different lengths after a 20-token common prefix; the reference is a plain forward of the base model's trunk."""
+    there was that position's direction and k - 1 arbitrary ones), not the columns only other rows score, not
+    padding. Rows of different lengths after a 20-token common prefix; the reference is a plain forward of the base
+    model's trunk."""
     pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
     from transformers import AutoModelForCausalLM
 
