@@ -196,6 +196,15 @@ class LoraSettings:
     many leading directions of the scored positions' hidden states (fixed at the first update), so it learns what
     depends on the input rather than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs).
     0: off; about the number of kinds of answer token (4 for FrozenLake's ``Up</answer>``)."""
+    whiten_head: bool = False
+    """With ``center_head``: the head's adapter also reads each dimension of that centred state divided by its root
+    mean square over the same positions (fixed with the directions), so what differs between inputs is read at unit
+    scale instead of a few hundredths of the state's size (``ragen_pl.lora``: why)."""
+    head_tokens: list[str] | None = None
+    """With ``lm_head`` among the targets: its adapter becomes a readout that moves only these tokens' logits (each
+    must be one token, e.g. ``[Left, Down, Right, Up]``): rank the number of tokens, ``lora_B`` fixed to those
+    tokens' rows and ``lora_A`` (their readout weights) trained from zero; ``r`` and ``alpha`` then apply to the
+    other targets only. None: a plain adapter on every token."""
 
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
@@ -203,6 +212,21 @@ class LoraSettings:
         if self.center_head and (isinstance(self.target_modules, str) or "lm_head" not in self.target_modules):
             raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
                              f"`--model.lora.target_modules`, got {self.target_modules!r}")
+        if not isinstance(self.whiten_head, bool):
+            raise ValueError(f"`--model.lora.whiten_head` must be true or false, got {self.whiten_head!r}")
+        if self.whiten_head and not self.center_head:
+            raise ValueError("`--model.lora.whiten_head` scales the centred head's input: it needs "
+                             "`--model.lora.center_head` >= 1, got 0")
+        if self.head_tokens is not None:
+            tokens = self.head_tokens
+            if isinstance(tokens, str) or not tokens or not all(isinstance(t, str) and t for t in tokens) \
+                    or len(set(tokens)) != len(tokens):
+                raise ValueError(f"`--model.lora.head_tokens` must be a list of distinct non-empty strings, got "
+                                 f"{tokens!r}")
+            if isinstance(self.target_modules, str) or "lm_head" not in self.target_modules:
+                raise ValueError(f"`--model.lora.head_tokens` restricts the output head's adapter: it needs lm_head "
+                                 f"in `--model.lora.target_modules`, got {self.target_modules!r}")
+            self.head_tokens = list(tokens)
         if self.last_layers is not None:
             check_int("--model.lora.last_layers", self.last_layers)
         _check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)

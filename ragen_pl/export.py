@@ -65,9 +65,9 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     lora = hparams.get("lora")
     if lora:
         from ragen_pl.config import LoraSettings, from_saved
-        from ragen_pl.lora import add_lora, fold_centering
+        from ragen_pl.lora import add_lora, head_folded
 
-        policy = add_lora(policy, from_saved(LoraSettings, lora))
+        policy = add_lora(policy, from_saved(LoraSettings, lora), AutoTokenizer.from_pretrained(base))
     missing, unexpected = policy.load_state_dict(_policy_weights(state), strict=False)
     # Tied output embeddings may be absent from the saved keys; anything else missing is a wrong checkpoint.
     missing = [k for k in missing if not k.endswith("lm_head.weight")]
@@ -75,8 +75,8 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint {ckpt} does not match {hparams['model']}: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     if lora:
-        fold_centering(policy)
-        policy = policy.merge_and_unload()
+        with head_folded(policy):
+            policy = policy.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)

@@ -15,7 +15,20 @@ so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake answ
 position stays 4.82x the board part after the mean direction is projected out, and 0.06x after the 4 leading ones,
 which keep 0.953 of the board part (``benchmarks/head_geometry.py``).
 ``A (h - U U^T h) = A' h`` with ``A' = A (I - U U^T)``, so the adapter folds into plain LoRA weights for merges and
-exports (:func:`fold_centering`).
+exports (:func:`head_folded`).
+
+The board part is still small: after the shared directions go, each dimension left varies by a few hundredths of
+the state's size, so under Adam (steps of about the learning rate per weight, whatever the input's scale) the logits
+move by that fraction of what a readout of unit-scale features moves, and a rate large enough for the board part
+moves whatever is left of the shared part just as fast. ``--model.lora.whiten_head`` divides each dimension of the
+centred state by its root mean square over the same positions (``s``, fixed with ``U``): the input the readout
+simulation learned from (``benchmarks/readout_rl.py --features llm``, standardised: 0.278 on FrozenLake in 1,920
+trajectories at lr 0.003). Still linear: ``A' = A diag(1/s) (I - U U^T)``.
+
+``--model.lora.head_tokens`` makes the head adapter that readout exactly: ``lora_B`` fixed to one-hot columns on the
+given tokens' rows (FrozenLake's four actions), ``lora_A`` trained from zero. Only those tokens' logits move, so the
+adapter cannot break the answer format (a plain head adapter at lr 3e-2 broke ``</answer>`` on one seed) and its
+rate is the readout's.
 
 Used by :func:`ragen_pl.policy.load_models` and ``ragen-pl export``, so a checkpoint's adapters (and ``U``, a buffer
 saved with them) find the same modules in both.
@@ -23,21 +36,30 @@ saved with them) find the same modules in both.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
 from ragen_pl.scoring import SCORED_ROWS
 
-__all__ = ["add_lora", "fold_centering", "project_out", "shared_directions", "untie_output_embeddings"]
+__all__ = ["add_lora", "head_folded", "head_token_ids", "project_out", "root_mean_square",
+           "shared_directions", "untie_output_embeddings"]
 
 SHARED_DIRECTIONS = "shared_directions"
 """The buffer of a centred head's ``lora_A`` module: the (hidden, k) orthonormal directions ``U`` it leaves out (zeros
 until the first update)."""
 
+FEATURE_SCALE = "feature_scale"
+"""The buffer of a whitened centred head's ``lora_A`` module: the (hidden,) root mean squares ``s`` of the centred
+state's dimensions over the scored positions, which the adapter divides by (ones until the first update)."""
 
-def add_lora(policy: nn.Module, lora: LoraSettings) -> nn.Module:
-    """``policy`` with peft LoRA adapters as ``lora`` places them."""
+
+def add_lora(policy: nn.Module, lora: LoraSettings, tokenizer: Any = None) -> nn.Module:
+    """``policy`` with peft LoRA adapters as ``lora`` places them (``tokenizer``: for ``head_tokens``)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
@@ -57,12 +79,43 @@ def add_lora(policy: nn.Module, lora: LoraSettings) -> nn.Module:
         elif isinstance(targets, str):
             raise ValueError(f"`--model.lora.last_layers` needs `--model.lora.target_modules` all-linear or a "
                              f"list of module names, got {targets!r}")
+    ids, pattern = None, {}
+    if lora.head_tokens:
+        ids = head_token_ids(tokenizer, lora.head_tokens)
+        pattern = {"lm_head": len(ids)}  # alpha = rank: scaling 1, so the readout's weights are lora_A itself
     policy = get_peft_model(policy, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                target_modules=targets, task_type="CAUSAL_LM",
-                                               layers_to_transform=layers))
+                                               layers_to_transform=layers, rank_pattern=pattern,
+                                               alpha_pattern=pattern))
+    head = policy.get_base_model().get_output_embeddings()
+    if ids is not None:
+        _readout(head, ids)
     if lora.center_head:
-        _center(policy.get_base_model().get_output_embeddings().lora_A["default"], lora.center_head)
+        _center(head.lora_A["default"], lora.center_head, lora.whiten_head)
     return policy
+
+
+def head_token_ids(tokenizer: Any, tokens: list[str]) -> list[int]:
+    """The ids of ``--model.lora.head_tokens``, each one token of ``tokenizer``'s vocabulary."""
+    if tokenizer is None:
+        raise ValueError("`--model.lora.head_tokens` needs the model's tokenizer")
+    ids = []
+    for token in tokens:
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"`--model.lora.head_tokens`: {token!r} is {len(encoded)} tokens of this model's "
+                             f"tokenizer ({[tokenizer.decode([i]) for i in encoded]}); each must be one")
+        ids.append(encoded[0])
+    return ids
+
+
+def _readout(head: nn.Module, ids: list[int]) -> None:
+    a, b = head.lora_A["default"].weight, head.lora_B["default"].weight  # (k, H), (V, k)
+    with torch.no_grad():
+        a.zero_()
+        b.zero_()
+        b[torch.tensor(ids), torch.arange(len(ids))] = 1.0
+    b.requires_grad_(False)
 
 
 def untie_output_embeddings(model: nn.Module) -> None:
@@ -79,10 +132,12 @@ def untie_output_embeddings(model: nn.Module) -> None:
         text.tie_word_embeddings = False
 
 
-def _center(lora_a: nn.Linear, k: int) -> None:
+def _center(lora_a: nn.Linear, k: int, whiten: bool) -> None:
     if k > lora_a.in_features:
         raise ValueError(f"`--model.lora.center_head` must be at most the hidden size {lora_a.in_features}, got {k}")
     lora_a.register_buffer(SHARED_DIRECTIONS, torch.zeros(lora_a.in_features, k, dtype=lora_a.weight.dtype))
+    if whiten:
+        lora_a.register_buffer(FEATURE_SCALE, torch.ones(lora_a.in_features, dtype=lora_a.weight.dtype))
     lora_a.register_forward_pre_hook(_project_out_shared)
 
 
@@ -110,7 +165,23 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
         # Only the positions that score a token: the head also reads other rows' answer columns and padding, and a
         # shared prefix's forward (none of them in the loss).
         directions.copy_(shared_directions(h[scored], directions.shape[1]))
-    return (project_out(h, directions.to(h.dtype)),)
+        scale = getattr(module, FEATURE_SCALE, None)
+        if scale is not None:
+            scale.copy_(root_mean_square(project_out(h[scored].double(), directions.double())))
+    h = project_out(h, directions.to(h.dtype))
+    scale = getattr(module, FEATURE_SCALE, None)
+    return (h if scale is None else h / scale.to(h.dtype),)
+
+
+def root_mean_square(x: Tensor, floor: float = 1e-2) -> Tensor:
+    """The (H,) root mean square of each column of ``x`` (n, H), over every process's rows; columns below ``floor``
+    times the mean of the columns' values are raised to it (a dimension that barely varies is not amplified into
+    noise)."""
+    stats = torch.cat([x.pow(2).sum(0), x.new_tensor([x.shape[0]])])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(stats)
+    rms = (stats[:-1] / stats[-1].clamp_min(1)).sqrt()
+    return rms.clamp_min(floor * float(rms.mean()))
 
 
 def project_out(h: Tensor, directions: Tensor) -> Tensor:
@@ -118,15 +189,28 @@ def project_out(h: Tensor, directions: Tensor) -> Tensor:
     return h - (h @ directions) @ directions.T
 
 
-def fold_centering(policy: nn.Module) -> None:
-    """Fold a centred head's projection into its ``lora_A`` weight (``A <- A (I - U U^T)``): the adapter computes the
-    same, and merging it into the head (engines, exports) is then exact. A no-op without a centred head. Row by row,
-    so under FSDP2 each process folds its own rows of ``A``."""
+@contextmanager
+def head_folded(policy: nn.Module) -> Iterator[None]:
+    """Within: each centred head's ``lora_A`` weight holds the adapter as plain LoRA on the hidden state,
+    ``A diag(1/s) (I - U U^T)``, so that merging it into the head (engines, exports) is exact; the trained weight comes
+    back on exit. Merge (and unmerge) inside; a forward inside would apply the input's transform twice. A no-op
+    without a centred head or before its first update. Row by row, so under FSDP2 each process folds its own rows."""
+    saved = []
     for module in policy.modules():
         u = getattr(module, SHARED_DIRECTIONS, None)
         if isinstance(module, nn.Linear) and u is not None and bool(u.any()):
             w = module.weight
             w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor sharded by rows (FSDP2's dim 0)
+            saved.append((w, w.detach().clone()))
             with torch.no_grad():
+                scale = getattr(module, FEATURE_SCALE, None)
+                if scale is not None:
+                    w /= scale.to(w.dtype)
                 u = u.to(w.dtype)
                 w -= (w @ u) @ u.T
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for w, trained in saved:
+                w.copy_(trained)

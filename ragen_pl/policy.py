@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.lora import add_lora, fold_centering
+from ragen_pl.lora import add_lora, head_folded
 from ragen_pl.scoring import forward_packed, forward_shared, prefix_to_share, shift_values, unpack_rows
 
 __all__ = ["Models", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "policy_state_dict", "shard"]
@@ -115,7 +115,7 @@ def load_models(path: str, *, critic: Literal["separate", "shared"] | None, kl: 
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     if lora is not None:
-        policy = add_lora(policy, lora)
+        policy = add_lora(policy, lora, tokenizer)
     models = Models(policy.train(), lora=lora is not None)  # transformers loads models in eval mode
     if critic == "separate":
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
@@ -137,15 +137,15 @@ def policy_state_dict(policy: nn.Module, lora: bool) -> dict[str, Tensor]:
     """
     if not lora:
         return {k: full_tensor(v) for k, v in policy.state_dict().items()}
-    fold_centering(policy)
-    policy.merge_adapter()
-    try:
-        return {
-            k.replace("base_model.model.", "", 1).replace(".base_layer", ""): full_tensor(v.detach()).clone()
-            for k, v in policy.state_dict().items() if "lora_" not in k
-        }
-    finally:
-        policy.unmerge_adapter()
+    with head_folded(policy):
+        policy.merge_adapter()
+        try:
+            return {
+                k.replace("base_model.model.", "", 1).replace(".base_layer", ""): full_tensor(v.detach()).clone()
+                for k, v in policy.state_dict().items() if "lora_" not in k
+            }
+        finally:
+            policy.unmerge_adapter()
 
 
 MODEL_NAMES = ("policy", "critic", "reference", "value_head")

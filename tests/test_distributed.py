@@ -229,15 +229,16 @@ def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_p
 
 
 def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_path):
-    """FSDP2 on 2 CPU processes with LoRA on layers and a centred head (`center_head=2`): both ranks fix the same
-    shared directions, those of the second moment summed over both ranks' hidden states, and the merged weights an
+    """FSDP2 on 2 CPU processes with LoRA on layers and a centred, whitened head (`center_head=2`, `whiten_head`):
+    both ranks fix the same shared directions, those of the second moment summed over both ranks' hidden states, and
+    the same scales, the root mean squares of the centred states over both ranks' rows; and the merged weights an
     engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
     those directions. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
     first rollout."""
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import SHARED_DIRECTIONS, add_lora
+    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora
     from ragen_pl.policy import policy_state_dict
 
     ranks = _two_workers("lora_shard_worker.py", tiny_model_path, tmp_path)
@@ -246,15 +247,24 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
     _, vectors = torch.linalg.eigh(sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks))
     reference = vectors[:, -2:]
     torch.testing.assert_close((directions @ directions.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
+    scale = torch.tensor(ranks[0]["scale"])
+    assert torch.equal(scale, torch.tensor(ranks[1]["scale"]))
+    moment = sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks)
+    keep = torch.eye(len(scale), dtype=torch.float64) - reference @ reference.T
+    rms = (torch.diagonal(keep @ moment @ keep) / sum(r["rows"] for r in ranks)).sqrt()
+    torch.testing.assert_close(scale.double(), rms.clamp_min(1e-2 * rms.mean()), atol=1e-4, rtol=1e-3)
 
-    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2)
+    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2,
+                        whiten_head=True)
     policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for name, p in policy.named_parameters():
             if "lora_" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        getattr(policy.get_base_model().get_output_embeddings().lora_A["default"], SHARED_DIRECTIONS).copy_(directions)
+        head_a = policy.get_base_model().get_output_embeddings().lora_A["default"]
+        getattr(head_a, SHARED_DIRECTIONS).copy_(directions)
+        getattr(head_a, FEATURE_SCALE).copy_(scale)
     plain = policy_state_dict(policy, lora=True)
     for rank in ranks:
         assert set(rank["merged"]) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight",

@@ -42,8 +42,11 @@ def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Pat
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8), LoraSettings(r=4, alpha=8, last_layers=1),
                                   LoraSettings(r=4, alpha=8, target_modules=["lm_head"]),
-                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2)],
-                         ids=["full", "lora", "lora-last-layer", "lora-lm-head", "lora-centred-head"])
+                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2),
+                                  LoraSettings(target_modules=["lm_head"], center_head=2, whiten_head=True,
+                                               head_tokens=["Right", "Up"])],
+                         ids=["full", "lora", "lora-last-layer", "lora-lm-head", "lora-centred-head",
+                              "lora-whitened-readout-head"])
 def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
     """The export gives the trained policy's log-probs, whichever modules carry the adapters (the last layers only;
     the output head, untied from the input embeddings it shared, so the merge leaves those alone; the centred head, its

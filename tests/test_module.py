@@ -456,7 +456,7 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
     before and after folding), and the merged weights an engine gets give the trained policy's logits."""
     pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import SHARED_DIRECTIONS, fold_centering
+    from ragen_pl.lora import SHARED_DIRECTIONS, head_folded
     from ragen_pl.policy import policy_state_dict
     from ragen_pl.scoring import SCORED_ROWS
 
@@ -489,9 +489,11 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
     ids = module.tokenizer("Turn 1:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         trained = module.policy(input_ids=ids).logits
-        fold_centering(module.policy)
-        torch.testing.assert_close((lora_a.weight @ u).abs().max(), torch.tensor(0.0), atol=1e-6, rtol=0)
-        torch.testing.assert_close(module.policy(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        trained_a = lora_a.weight.clone()
+        with head_folded(module.policy):
+            torch.testing.assert_close((lora_a.weight @ u).abs().max(), torch.tensor(0.0), atol=1e-6, rtol=0)
+            torch.testing.assert_close(module.policy(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+        assert torch.equal(lora_a.weight, trained_a)  # the trained weight is back
         merged = policy_state_dict(module.policy, lora=True)
         plain = type(module.policy.get_base_model()).from_pretrained(tiny_model_path, tie_word_embeddings=False)
         plain.load_state_dict(merged)
@@ -504,3 +506,75 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
         LoraSettings(center_head=4)
     with pytest.raises(ValueError, match=r"`--model.lora.center_head` must be an integer >= 0, got True"):
         LoraSettings(target_modules=["lm_head"], center_head=True)
+
+
+def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
+    """`--model.lora.whiten_head` with `--model.lora.head_tokens`: the head adapter is a readout of the centred state
+    divided by each dimension's root mean square over the first update's scored positions (s, checked against those
+    positions by hand), and it moves only the given tokens' logits (lora_B stays one-hot on their rows, every other
+    logit is the base model's). The merged weights an engine gets give the trained policy's logits, and the trained
+    weight is unchanged afterwards (the fold is undone)."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS
+    from ragen_pl.policy import policy_state_dict
+    from ragen_pl.scoring import SCORED_ROWS
+
+    lora = LoraSettings(r=8, alpha=16, target_modules=["lm_head"], center_head=2, whiten_head=True,
+                        head_tokens=["Right", "Up"])
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(), lora=lora,
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-1))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
+    head = module.policy.get_base_model().get_output_embeddings()
+    lora_a, lora_b = head.lora_A["default"], head.lora_B["default"]
+    ids = [module.tokenizer.encode(t, add_special_tokens=False)[0] for t in ["Right", "Up"]]
+    assert lora_a.weight.shape[0] == 2 and not lora_a.weight.any() and not lora_b.weight.requires_grad
+    b = lora_b.weight.detach().clone()
+    assert b.sum() == 2 and b[ids[0], 0] == 1 and b[ids[1], 1] == 1
+    seen = []
+
+    def record(m, a):
+        rows = SCORED_ROWS.get()
+        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
+            seen.append(a[0][rows].detach().clone())
+
+    lora_a.register_forward_pre_hook(record, prepend=True)
+    trainer(1).fit(module, dm)
+    assert torch.equal(lora_b.weight, b) and lora_a.weight.abs().max() > 1e-3
+    u, scale = getattr(lora_a, SHARED_DIRECTIONS).double(), getattr(lora_a, FEATURE_SCALE).double()
+    h = seen[0].double()
+    centred = h - h @ u @ u.T
+    rms = centred.pow(2).mean(0).sqrt()
+    torch.testing.assert_close(scale, rms.clamp_min(1e-2 * float(rms.mean())), atol=1e-5, rtol=1e-4)
+    module.policy.eval()
+    prompt = module.tokenizer("Turn 1:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
+    base = type(module.policy.get_base_model()).from_pretrained(tiny_model_path).eval()
+    with torch.no_grad():
+        trained, plain = module.policy(input_ids=prompt).logits, base(input_ids=prompt).logits
+        others = torch.ones(trained.shape[-1], dtype=torch.bool)
+        others[ids] = False
+        torch.testing.assert_close(trained[..., others], plain[..., others], atol=1e-5, rtol=1e-5)
+        assert (trained[..., ids] - plain[..., ids]).abs().max() > 1e-3
+        # by hand: the readout of the whitened centred state, added to the two tokens' logits
+        last = base.model(input_ids=prompt).last_hidden_state.double()
+        x = (last - last @ u @ u.T) / scale
+        torch.testing.assert_close(trained[..., ids].double() - plain[..., ids].double(),
+                                   x @ lora_a.weight.double().T, atol=1e-4, rtol=1e-4)
+        trained_a = lora_a.weight.clone()
+        merged = policy_state_dict(module.policy, lora=True)
+        assert torch.equal(lora_a.weight, trained_a)
+        engine = type(base).from_pretrained(tiny_model_path, tie_word_embeddings=False)
+        engine.load_state_dict(merged)
+        torch.testing.assert_close(engine.eval()(input_ids=prompt).logits, trained, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"`--model.lora.whiten_head` scales the centred head's input: it needs "
+                                         r"`--model.lora.center_head` >= 1, got 0"):
+        LoraSettings(target_modules=["lm_head"], whiten_head=True)
+    with pytest.raises(ValueError, match=r"`--model.lora.head_tokens` restricts the output head's adapter: it needs "
+                                         r"lm_head in `--model.lora.target_modules`, got 'all-linear'"):
+        LoraSettings(head_tokens=["Up"])
+    with pytest.raises(ValueError, match=r"`--model.lora.head_tokens` must be a list of distinct non-empty strings, "
+                                         r"got \['Up', 'Up'\]"):
+        LoraSettings(target_modules=["lm_head"], head_tokens=["Up", "Up"])
+    with pytest.raises(ValueError, match=r"`--model.lora.head_tokens`: 'Left' is 2 tokens of this model's tokenizer"):
+        RagenModule(str(tiny_model_path), lora=LoraSettings(target_modules=["lm_head"], head_tokens=["Left"]))
