@@ -35,6 +35,8 @@ from ragen_pl.metrics import effective_episodes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "echo_trap"
 LEVELS = (0.05, 0.15, 0.3, 0.5, 0.8)
+LASTING = 10
+"""Steps a collapse must stay down, to the run's end, to count as lasting (``halving(..., to_end=True)``)."""
 
 
 def load(path: Path, episodes: float = 64.0) -> list[dict[str, float]]:
@@ -63,15 +65,19 @@ def env_tags(run: list[dict[str, float]]) -> list[str]:
     return tags or [""]
 
 
-def halving(successes: list[float], min_peak: float = 0.1) -> int | None:
+def halving(successes: list[float], min_peak: float = 0.1, to_end: bool = False) -> int | None:
     """The first step from which an env's success stays below half its best so far for 3 steps (the mean of that
     step and the next two below half the best trailing 3-step mean before it, itself at least ``min_peak``); None
-    if it never does. Judged with hindsight: a run may recover later and still have collapsed here."""
+    if it never does. Judged with hindsight: a run may recover later and still have collapsed here. ``to_end``:
+    every 3-step window from that step to the run's end stays below half that best, for at least ``LASTING`` steps
+    (a collapse the run never recovers from, rather than a dip: at 32 episodes a step on random boards, 3-step dips
+    come by chance)."""
     best = 0.0
-    for t in range(1, len(successes) - 2):
+    for t in range(1, len(successes) - (LASTING - 1 if to_end else 2)):
         window = successes[max(0, t - 3):t]
         best = max(best, sum(window) / len(window))
-        if best >= min_peak and sum(successes[t:t + 3]) / 3 < 0.5 * best:
+        ends = range(t, len(successes) - 2) if to_end else (t,)
+        if best >= min_peak and all(sum(successes[u:u + 3]) / 3 < 0.5 * best for u in ends):
             return t
     return None
 
@@ -92,40 +98,49 @@ def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> tuple[dict[str,
     return fired, seen
 
 
-Row = tuple[str, str, "int | None", "int | None", str]
+Row = tuple[str, str, "int | None", "int | None", "int | None", str]
 
 
 def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm) -> list[Row]:
-    """(run, env, halving step, alarm step, other signals seen by then) per env of the run."""
+    """(run, env, halving step, halving step of a collapse that lasts to the end, alarm step, other signals seen by
+    then) per env of the run."""
     fired, seen = replay(run, make())
     rows = []
     for tag in env_tags(run):
         key = f"rollout/{tag}/success" if tag else "rollout/success"
-        rows.append((name, tag, halving([m[key] for m in run if key in m]), fired.get(tag),
+        successes = [m[key] for m in run if key in m]
+        rows.append((name, tag, halving(successes), halving(successes, to_end=True), fired.get(tag),
                      ", ".join(sorted(seen.get(tag, ()))) or "-"))
     return rows
 
 
-def summary(rows: list[Row]) -> str:
-    collapsed = [r for r in rows if r[2] is not None]
-    caught = [r for r in collapsed if r[3] is not None]
-    false = [r for r in rows if r[2] is None and r[3] is not None]
-    delays = sorted(r[3] - r[2] for r in caught)
+def _tally(rows: list[Row], truth: int) -> str:
+    collapsed = [r for r in rows if r[truth] is not None]
+    caught = [r for r in collapsed if r[4] is not None]
+    false = [r for r in rows if r[truth] is None and r[4] is not None]
+    delays = sorted(r[4] - r[truth] for r in caught)
     delay = f"delay {delays[0]:+d} to {delays[-1]:+d} steps" if delays else "no delay measured"
-    return (f"collapses caught {len(caught)}/{len(collapsed)} ({delay}); false alarms {len(false)}/"
-            f"{len(rows) - len(collapsed)} env runs without a collapse")
+    return f"caught {len(caught)}/{len(collapsed)} ({delay}); false alarms {len(false)}/{len(rows) - len(collapsed)}"
+
+
+def summary(rows: list[Row]) -> str:
+    return (f"collapses (3-step halvings) {_tally(rows, 2)} env runs without one; lasting collapses (down to the "
+            f"end) {_tally(rows, 3)}")
 
 
 def print_table(title: str, rows: list[Row]) -> None:
+    width = max([28] + [len(r[0]) + 2 for r in rows])
     print(f"\n{title}")
-    print(f"{'run':<28}{'env':<18}{'halved at':>10}{'alarm at':>10}  {'verdict':<20}  other signals by the alarm")
-    for name, tag, halved, alarm, seen in rows:
+    print(f"{'run':<{width}}{'env':<18}{'halved at':>10}{'to the end':>11}{'alarm at':>10}  {'verdict':<20}  "
+          f"other signals by the alarm")
+    dash = lambda step: "-" if step is None else step  # noqa: E731
+    for name, tag, halved, lasting, alarm, seen in rows:
         if halved is None:
             verdict = "false alarm" if alarm is not None else "quiet, no collapse"
         else:
             verdict = f"caught, delay {alarm - halved:+d}" if alarm is not None else "missed"
-        print(f"{name:<28}{tag or '-':<18}{'-' if halved is None else halved:>10}{'-' if alarm is None else alarm:>10}"
-              f"  {verdict:<20}  {seen}")
+        print(f"{name:<{width}}{tag or '-':<18}{dash(halved):>10}{dash(lasting):>11}{dash(alarm):>10}  {verdict:<20}  "
+              f"{seen}")
     print(summary(rows))
 
 
@@ -166,13 +181,20 @@ def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, nargs="*", default=[], help="more metrics.csv files (held out)")
-    parser.add_argument("--simulated", type=int, default=200, help="simulated no-learning runs per success level")
+    parser.add_argument("--simulated", type=int, default=200, help="simulated no-learning runs per success level "
+                        "(0: none)")
     parser.add_argument("--steps", type=int, default=100, help="steps per simulated run")
     parser.add_argument("--icc", type=float, default=0.3, help="intra-class correlation of a group's successes in the "
                         "simulated runs with a board per group (0 < icc < 1)")
     args = parser.parse_args()
     if not 0 < args.icc < 1:
         parser.error(f"--icc must be between 0 and 1 (exclusive), got {args.icc}")
+    if args.simulated < 0 or args.steps < 1:
+        parser.error(f"--simulated must be >= 0 and --steps >= 1, got {args.simulated} and {args.steps}")
+    missing = [str(p) for p in args.runs if not p.is_file()]
+    if missing:
+        parser.error(f"--runs: no such file {', '.join(missing)} (a run's metrics.csv, e.g. "
+                     f"runs/<name>/version_0/metrics.csv)")
 
     tuning = [judge(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))]
     print_table("Tuning runs (the defaults were chosen on these)", [r for rows in tuning for r in rows])
@@ -180,6 +202,8 @@ def main() -> None:
     heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
     print_table("Held-out runs", [r for rows in heldout for r in rows])
 
+    if not args.simulated:
+        return
     print(f"\nSimulated runs with no learning ({args.simulated} per level, {args.steps} steps, 64 episodes a step in "
           f"groups of 8), false alarms:")
     print(f"  {'success level':<54}" + "  ".join(f"{level:>5.2f}" for level in LEVELS))

@@ -262,8 +262,14 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     assert echo_trap.halving([0.4, 0.5, 0.6, 0.3, 0.2, 0.1, 0.6]) == 3
     assert echo_trap.halving([0.4, 0.5, 0.6, 0.3, 0.3, 0.3]) is None  # 0.3 is not below half of 0.6's best (0.5)
     assert echo_trap.halving([0.08, 0.0, 0.0, 0.0, 0.0]) is None  # a best under 0.1 is noise, not a collapse
+    # A lasting collapse stays below half the best to the end, for at least LASTING (10) steps: the dip at 3
+    # recovers (0.6 at 6-8, so the best becomes 0.6), and the fall at 9 lasts 10 steps; 9 steps are not enough.
+    dip_then_fall = [0.4, 0.5, 0.6, 0.1, 0.1, 0.1, 0.6, 0.6, 0.6] + [0.1] * 10
+    assert echo_trap.LASTING == 10
+    assert echo_trap.halving(dip_then_fall) == 3 and echo_trap.halving(dip_then_fall, to_end=True) == 9
+    assert echo_trap.halving(dip_then_fall[:-1], to_end=True) is None
     rows = [r for s in range(5) for r in echo_trap.judge(f"grpo{s}", echo_trap.load(TRACES / f"grpo_seed{s}.csv"))]
-    bandit = {name: (halved, alarm) for name, tag, halved, alarm, _ in rows if tag == "Bandit"}
+    bandit = {name: (halved, alarm) for name, tag, halved, _, alarm, _ in rows if tag == "Bandit"}
     assert bandit["grpo0"] == (None, None)
     assert all(h == 1 and 1 <= a - h <= 3 for name, (h, a) in bandit.items() if name != "grpo0"), bandit
     rates = echo_trap.false_alarm_rates(runs=10, steps=60)
@@ -278,3 +284,13 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     echo_trap.main()
     out = capsys.readouterr().out
     assert "Tuning runs" in out and "Held-out runs" in out and "false alarms" in out
+    # The format-breaking SmolLM2 run (lr 3e-2, seed 1) is the held-out set's lasting real-model collapse.
+    line = next(row for row in out.splitlines() if row.startswith("smollm2_frozenlake_centred_lr3e-2_seed1"))
+    assert line.split()[2:6] == ["14", "16", "21", "caught,"], line
+    monkeypatch.setattr(sys, "argv", ["echo_trap.py", "--simulated", "0"])
+    echo_trap.main()
+    assert "Simulated" not in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["echo_trap.py", "--runs", "no/such/metrics.csv"])
+    with pytest.raises(SystemExit):
+        echo_trap.main()
+    assert "--runs: no such file no/such/metrics.csv" in capsys.readouterr().err
