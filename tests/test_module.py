@@ -412,6 +412,22 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
     torch.testing.assert_close(merged["model.embed_tokens.weight"], embed_before)
 
 
+def _record_first_scored_input(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A list that gets the scored positions ``module`` reads at the first training forward (a plain hook that runs
+    before the centring)."""
+    from ragen_pl.scoring import SCORED_ROWS
+
+    seen = []
+
+    def record(m, a):
+        rows = SCORED_ROWS.get()
+        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
+            seen.append(a[0][rows].detach().clone())
+
+    module.register_forward_pre_hook(record, prepend=True)
+    return seen
+
+
 @pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed"])
 def test_centred_head_fits_its_directions_on_the_scored_positions_only(tiny_model_path, layout):
     """The centred head's U comes from the hidden states at the positions whose tokens are scored, and from nothing
@@ -458,7 +474,6 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import SHARED_DIRECTIONS, head_folded
     from ragen_pl.policy import policy_state_dict
-    from ragen_pl.scoring import SCORED_ROWS
 
     module = RagenModule(str(tiny_model_path), advantage=GRPO(),
                          lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=3),
@@ -467,14 +482,7 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
                            rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
     lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
     assert not getattr(lora_a, SHARED_DIRECTIONS).any()
-    seen = []  # the scored positions the head read at the first training forward (a plain hook, before the centring)
-
-    def record(m, a):
-        rows = SCORED_ROWS.get()
-        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
-            seen.append(a[0][rows].detach().clone())
-
-    lora_a.register_forward_pre_hook(record, prepend=True)
+    seen = _record_first_scored_input(lora_a)
     trainer(1).fit(module, dm)
     u = getattr(lora_a, SHARED_DIRECTIONS)
     assert u.shape == (lora_a.in_features, 3)
@@ -518,7 +526,6 @@ def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS
     from ragen_pl.policy import policy_state_dict
-    from ragen_pl.scoring import SCORED_ROWS
 
     lora = LoraSettings(r=8, alpha=16, target_modules=["lm_head"], center_head=2, whiten_head=True,
                         head_tokens=["Right", "Up"])
@@ -532,14 +539,7 @@ def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
     assert lora_a.weight.shape[0] == 2 and not lora_a.weight.any() and not lora_b.weight.requires_grad
     b = lora_b.weight.detach().clone()
     assert b.sum() == 2 and b[ids[0], 0] == 1 and b[ids[1], 1] == 1
-    seen = []
-
-    def record(m, a):
-        rows = SCORED_ROWS.get()
-        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
-            seen.append(a[0][rows].detach().clone())
-
-    lora_a.register_forward_pre_hook(record, prepend=True)
+    seen = _record_first_scored_input(lora_a)
     trainer(1).fit(module, dm)
     assert torch.equal(lora_b.weight, b) and lora_a.weight.abs().max() > 1e-3
     u, scale = getattr(lora_a, SHARED_DIRECTIONS).double(), getattr(lora_a, FEATURE_SCALE).double()
