@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.prompt import SYSTEM_PROMPT
 from ragen_pl.types import KLEstimator, LossAgg
 
@@ -149,7 +150,7 @@ class PPOConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimisers: AdamW for actor and critic, linear warmup then constant."""
+    """Optimisers: AdamW for actor and critic, linear warmup, then constant or a cosine decay."""
 
     actor_lr: float = 1e-6
     """Actor learning rate (paper: 1e-6)."""
@@ -162,6 +163,24 @@ class OptimConfig:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Iterations of linear learning-rate warmup."""
+    schedule: str = "constant"
+    """After the warmup: ``constant``, or ``cosine``, a half cosine from the rate down to ``min_lr_ratio`` times it
+    at ``--trainer.max_steps`` (which must then be set). A run stopped early by a time budget stops mid-decay."""
+    min_lr_ratio: float = 0.0
+    """``cosine``: the final rate as a share of the initial one."""
+
+    def lr_factor(self, iteration: int, total: int | None = None) -> float:
+        """The learning rate of ``iteration`` (0-based) as a share of the configured one, in a run of ``total``
+        iterations (``cosine`` only)."""
+        if self.schedule == "cosine" and (not total or total <= 0):
+            raise ConfigError(f"`--model.optim.schedule=cosine` decays over `--trainer.max_steps`: set it to the run's "
+                             f"iterations, got {total}")
+        if iteration < self.warmup_steps:
+            return (iteration + 1) / (self.warmup_steps + 1)
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (iteration - self.warmup_steps) / max(1, total - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def __post_init__(self) -> None:
         _check_number("--model.optim.actor_lr", self.actor_lr, 0.0, low_open=True)
@@ -173,6 +192,9 @@ class OptimConfig:
             _check_number("--model.optim.betas", beta, 0.0, 1.0)
         _check_number("--model.optim.weight_decay", self.weight_decay, 0.0)
         check_int("--model.optim.warmup_steps", self.warmup_steps, 0)
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"`--model.optim.schedule` must be constant or cosine, got {self.schedule!r}")
+        _check_number("--model.optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
 
 
 @dataclass

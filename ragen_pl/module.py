@@ -168,9 +168,9 @@ class RagenModule(pl.LightningModule):
         if self.critic is not None:
             opts.append(torch.optim.AdamW(self.critic.parameters(), lr=o.critic_lr, betas=o.betas,
                                           weight_decay=o.weight_decay))
-        warmup = o.warmup_steps
-        scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda it: min(1.0, (it + 1) / (warmup + 1)) if warmup
-                                                    else 1.0) for opt in opts]
+        total = self.trainer.max_steps if self._trainer is not None else None
+        o.lr_factor(0, total)  # a cosine without --trainer.max_steps is refused here, before the first rollout
+        scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda it: o.lr_factor(it, total)) for opt in opts]
         return opts, scheds
 
     def _optimizers(self) -> list:
@@ -212,6 +212,7 @@ class RagenModule(pl.LightningModule):
         # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
         # the policy that sampled it, so PPO's ratio stays the importance weight against the behaviour policy.
         t1 = time.perf_counter()
+        metrics["train/actor_lr"] = torch.tensor(self._optimizers()[0].optimizer.param_groups[0]["lr"])
         metrics.update(self.update(batch))
         t2 = time.perf_counter()
         if fresh:

@@ -578,3 +578,29 @@ def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
         LoraSettings(target_modules=["lm_head"], head_tokens=["Up", "Up"])
     with pytest.raises(ValueError, match=r"`--model.lora.head_tokens`: 'Left' is 2 tokens of this model's tokenizer"):
         RagenModule(str(tiny_model_path), lora=LoraSettings(target_modules=["lm_head"], head_tokens=["Left"]))
+
+
+def test_cosine_schedule_sets_each_iterations_rate(tiny_model_path):
+    """`--model.optim.schedule=cosine`: after the linear warmup the actor's rate follows a half cosine down to
+    `min_lr_ratio` of it at `--trainer.max_steps` (logged as `train/actor_lr`, the rate of that iteration's update);
+    a cosine without max_steps and an unknown schedule are refused in one line."""
+    rates = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            rates.append(float(trainer.callback_metrics["train/actor_lr"]))
+
+    optim = OptimConfig(actor_lr=1e-2, warmup_steps=1, schedule="cosine", min_lr_ratio=0.2)
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(), optim=optim,
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=4))
+    trainer(4, callbacks=[Record()]).fit(module, dm)
+    # By hand: warmup (0 + 1) / (1 + 1); then progress 0, 1/3, 2/3 of the 3 iterations after it:
+    # 0.2 + 0.8 (1 + cos(pi p)) / 2 = 1, 0.2 + 0.8 * 0.75, 0.2 + 0.8 * 0.25.
+    assert rates == pytest.approx([1e-2 * f for f in (0.5, 1.0, 0.8, 0.4)], rel=1e-6)
+    with pytest.raises(ValueError, match=r"`--model.optim.schedule=cosine` decays over `--trainer.max_steps`: set "
+                                         r"it to the run's iterations, got -1"):
+        trainer(-1, max_epochs=1).fit(RagenModule(str(tiny_model_path), advantage=GRPO(), optim=optim), dm)
+    with pytest.raises(ValueError, match=r"`--model.optim.schedule` must be constant or cosine, got 'linear'"):
+        OptimConfig(schedule="linear")
