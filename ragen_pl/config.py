@@ -163,7 +163,7 @@ class OptimConfig:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Iterations of linear learning-rate warmup."""
-    schedule: str = "constant"
+    schedule: Literal["constant", "cosine"] = "constant"
     """After the warmup: ``constant``, or ``cosine``, a half cosine from the rate down to ``min_lr_ratio`` times it
     at ``--trainer.max_steps`` (which must then be set). A run stopped early by a time budget stops mid-decay."""
     min_lr_ratio: float = 0.0
@@ -192,8 +192,7 @@ class OptimConfig:
             _check_number("--model.optim.betas", beta, 0.0, 1.0)
         _check_number("--model.optim.weight_decay", self.weight_decay, 0.0)
         check_int("--model.optim.warmup_steps", self.warmup_steps, 0)
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"`--model.optim.schedule` must be constant or cosine, got {self.schedule!r}")
+        check_choice("--model.optim.schedule", self.schedule, Literal["constant", "cosine"])
         _check_number("--model.optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
 
 
@@ -231,7 +230,8 @@ class LoraSettings:
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
         check_int("--model.lora.center_head", self.center_head, low=0)
-        if self.center_head and (isinstance(self.target_modules, str) or "lm_head" not in self.target_modules):
+        adapts_head = not isinstance(self.target_modules, str) and "lm_head" in self.target_modules
+        if self.center_head and not adapts_head:
             raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
                              f"`--model.lora.target_modules`, got {self.target_modules!r}")
         if not isinstance(self.whiten_head, bool):
@@ -245,7 +245,7 @@ class LoraSettings:
                     or len(set(tokens)) != len(tokens):
                 raise ValueError(f"`--model.lora.head_tokens` must be a list of distinct non-empty strings, got "
                                  f"{tokens!r}")
-            if isinstance(self.target_modules, str) or "lm_head" not in self.target_modules:
+            if not adapts_head:
                 raise ValueError(f"`--model.lora.head_tokens` restricts the output head's adapter: it needs lm_head "
                                  f"in `--model.lora.target_modules`, got {self.target_modules!r}")
             self.head_tokens = list(tokens)

@@ -164,10 +164,10 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
                                f"mask of shape {tuple(scored.shape)}")
         # Only the positions that score a token: the head also reads other rows' answer columns and padding, and a
         # shared prefix's forward (none of them in the loss).
-        directions.copy_(shared_directions(h[scored], directions.shape[1]))
-        scale = getattr(module, FEATURE_SCALE, None)
-        if scale is not None:
-            scale.copy_(root_mean_square(project_out(h[scored].double(), directions.double())))
+        rows = h[scored]
+        directions.copy_(shared_directions(rows, directions.shape[1]))
+        if hasattr(module, FEATURE_SCALE):
+            getattr(module, FEATURE_SCALE).copy_(root_mean_square(project_out(rows.double(), directions.double())))
     h = project_out(h, directions.to(h.dtype))
     scale = getattr(module, FEATURE_SCALE, None)
     return (h if scale is None else h / scale.to(h.dtype),)

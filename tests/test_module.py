@@ -602,5 +602,5 @@ def test_cosine_schedule_sets_each_iterations_rate(tiny_model_path):
     with pytest.raises(ValueError, match=r"`--model.optim.schedule=cosine` decays over `--trainer.max_steps`: set "
                                          r"it to the run's iterations, got -1"):
         trainer(-1, max_epochs=1).fit(RagenModule(str(tiny_model_path), advantage=GRPO(), optim=optim), dm)
-    with pytest.raises(ValueError, match=r"`--model.optim.schedule` must be constant or cosine, got 'linear'"):
+    with pytest.raises(ValueError, match=r"`--model.optim.schedule` must be one of constant, cosine, got 'linear'"):
         OptimConfig(schedule="linear")
