@@ -99,9 +99,9 @@ def mean_of(rows: list[dict[str, str]], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def two_se(p0: float, p1: float, n: int) -> float:
-    """Two standard errors of the difference of two success rates measured on n episodes each."""
-    return 2 * math.sqrt(max(p0 * (1 - p0), 1e-12) / n + max(p1 * (1 - p1), 1e-12) / n)
+def two_se(p0: float, n0: int, p1: float, n1: int) -> float:
+    """Two standard errors of the difference of two success rates measured on n0 and n1 episodes."""
+    return 2 * math.sqrt(max(p0 * (1 - p0), 1e-12) / n0 + max(p1 * (1 - p1), 1e-12) / n1)
 
 
 def main() -> int:
@@ -111,6 +111,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=None, help="training minutes per seed (default: 90, "
                         "Bandit 30)")
     parser.add_argument("--max-steps", type=int, default=400, help="iterations at most (the budget usually ends first)")
+    parser.add_argument("--final-episodes", type=int, default=None,
+                        help="episodes (fixed seeds) of the final evaluation of the last weights, the random policy "
+                        "measured on the same seeds (default: the config's val_episodes, as the in-loop evaluations)")
     parser.add_argument("--random-repeats", type=int, default=20, help="random plays per evaluation seed")
     parser.add_argument("--warm", choices=["random", "effective"], default="random",
                         help="the warm start's play: random legal moves (the config's), or random effective ones (no "
@@ -144,6 +147,11 @@ def main() -> int:
         for key in ("val_episodes", "val_seed"):
             if arg.startswith(f"--data.{key}="):
                 cfg["data"][key] = int(arg.split("=", 1)[1])
+    n_loop = cfg["data"]["val_episodes"]
+    if args.final_episodes is not None:
+        if args.final_episodes < 1:
+            parser.error(f"--final-episodes: must be >= 1, got {args.final_episodes}")
+        cfg["data"]["val_episodes"] = args.final_episodes
     tag = ENVS[args.env]
     minutes = args.minutes if args.minutes is not None else (30 if args.env == "bandit" else 90)
     n_eval = cfg["data"]["val_episodes"]
@@ -163,8 +171,9 @@ def main() -> int:
         baseline = None
     else:
         baseline = random_success(cfg, args.random_repeats)
-        print(f"random policy on the {n_eval} evaluation seeds ({args.random_repeats} plays each, "
-              f"{cfg['data']['rollout'].get('max_actions_per_episode', 10)} actions): success {baseline:.3f}", flush=True)
+        print(f"random policy on the {n_eval} evaluation seeds of the final evaluation ({args.random_repeats} plays "
+              f"each, {cfg['data']['rollout'].get('max_actions_per_episode', 10)} actions): success {baseline:.3f}",
+              flush=True)
         effective = random_success(cfg, args.random_repeats, effective=True)
         print(f"random effective moves (no walk into a wall or off the map) on the same seeds: success "
               f"{effective:.3f}", flush=True)
@@ -189,7 +198,8 @@ def main() -> int:
         if code:
             return code
         last = max(save.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-        code = cli(["validate", *common, f"--ckpt_path={last}", *extra])  # the weights the budget ended with
+        # the weights the budget ended with, on the final evaluation's seeds
+        code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}"])
         if code:
             return code
         fit_s = time.perf_counter() - t
@@ -205,7 +215,7 @@ def main() -> int:
         print(f"\nseed {seed}: {'iteration':>9} {'training s':>10} {'success':>8}")
         for p in points:
             print(f"{'':8}{p['iteration']:>9} {p['train_s']:>10.0f} {p['success']:>8.3f}"
-                  f"{'  (final, last weights)' if p.get('final') else ''}")
+                  f"{f'  (final, last weights, {n_eval} episodes)' if p.get('final') else ''}")
         parts = {k: mean_of(trained, f"time/{k}") for k in ("iteration", "rollout_generate", "prepare", "update")}
         rest = parts["iteration"] - parts["rollout_generate"] - parts["prepare"] - parts["update"]
         print(f"        per iteration: {parts['iteration']:.1f} s = generation {parts['rollout_generate']:.1f} + "
@@ -231,7 +241,8 @@ def main() -> int:
             goal = (f"{final['success'] - baseline:+.3f} vs random (>= +0.10), "
                     f"{final['success'] - effective:+.3f} vs random effective")
         elif args.env == "sokoban":
-            goal = f"{final['success'] - first:+.3f} vs step 0 (2 SE {two_se(first, final['success'], n_eval):.3f})"
+            goal = (f"{final['success'] - first:+.3f} vs step 0 (2 SE "
+                    f"{two_se(first, n_loop, final['success'], n_eval):.3f})")
         else:
             goal = f"{final['success']:.3f} (>= 0.9)"
         print(f"{seed:>4} {first:>7.3f} {final['success']:>6.3f} {final['iteration']:>10} "

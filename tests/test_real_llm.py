@@ -18,20 +18,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), "--env", "frozenlake", "--minutes", "0.02",
-         "--max-steps", "2", "--random-repeats", "2", "--out", str(tmp_path / "runs"), f"--model.model={tiny_model_path}",
+         "--max-steps", "2", "--random-repeats", "2", "--final-episodes", "6", "--out", str(tmp_path / "runs"),
+         f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
          "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
          "--model.lora.last_layers=1"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    baseline = float(re.search(r"random policy on the 4 evaluation seeds \(2 plays each, 10 actions\): success "
-                               r"([0-9.]+)", text).group(1))
+    baseline = float(re.search(r"random policy on the 6 evaluation seeds of the final evaluation \(2 plays each, "
+                               r"10 actions\): success ([0-9.]+)", text).group(1))
     assert 0.0 <= baseline <= 1.0
     effective = float(re.search(r"random effective moves \(no walk into a wall or off the map\) on the same seeds: "
                                 r"success ([0-9.]+)", text).group(1))
     assert 0.0 <= effective <= 1.0
-    assert re.search(r"\(final, last weights\)", text)
+    assert re.search(r"\(final, last weights, 6 episodes\)", text)  # --final-episodes, not the loop's 4
     assert re.search(r"per iteration: [0-9.]+ s = generation [0-9.]+ \+ scoring [0-9.]+ \+ update [0-9.]+", text)
     assert re.search(r"collapse metrics at iteration 0: I\(X;Z\) -?[0-9.]+ of at most [0-9.]+, H\(Z\|X\) [0-9.]+ nats "
                      r"per sequence; retrieval accuracy [0-9.]+ \(chance [0-9.]+\)", text), text
