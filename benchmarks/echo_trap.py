@@ -19,6 +19,11 @@ with hindsight; the best is a trailing 3-step mean of at least 0.1). The delay i
 (negative: the alarm came before the halving). Runs recorded before ``rollout/<tag>/episodes`` was logged get the
 quickstart's 64 episodes per env and step.
 
+Could a signal not tied to success warn first? For each of the alarm's co-signals (entropy, gradient spike, I(X;Z),
+repetition; its own thresholds, success not consulted) a second table counts the collapses it held in within
+``HORIZON`` steps up to the halving, with how many steps before the halving it first did, beside how often it held
+in env runs where nothing halved and the share of 6-step windows it would hold in by chance at that rate.
+
     python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100] [--icc 0.3]
 """
 
@@ -144,6 +149,54 @@ def print_table(title: str, rows: list[Row]) -> None:
     print(summary(rows))
 
 
+HORIZON = 5
+"""Steps before a halving within which a signal that held counts as a warning of it."""
+CO_SIGNALS = ("entropy", "grad_spike", "mi", "repetition")
+
+
+def signal_steps(run: list[dict[str, float]], make=EchoTrapAlarm) -> dict[str, dict[str, list[int]]]:
+    """env tag -> signal -> the steps at which that signal held, by the alarm's thresholds, whatever success did."""
+    alarm, held = make(), {}
+    for step, metrics in enumerate(run):
+        alarm.observe(metrics)
+        for tag, signals in alarm.held.items():
+            for signal in signals:
+                if signal != "success_drop":
+                    held.setdefault(tag, {}).setdefault(signal, []).append(step)
+    return held
+
+
+def lead_table(title: str, runs: list[tuple[str, list[dict[str, float]]]]) -> None:
+    """Could a signal not tied to success warn first? Per co-signal: the collapses it held within ``HORIZON`` steps
+    up to the halving (and how many steps before it first did), and how often it held where nothing collapsed."""
+    per_env = []  # (3-step halving, lasting halving, steps, signal -> steps held)
+    for _, run in runs:
+        held = signal_steps(run)
+        for tag in env_tags(run):
+            key = f"rollout/{tag}/success" if tag else "rollout/success"
+            successes = [m[key] for m in run if key in m]
+            per_env.append((halving(successes), halving(successes, to_end=True), len(run), held.get(tag, {})))
+
+    def warned(truth: int, signal: str) -> str:
+        hits = [(env[truth], [t for t in env[3].get(signal, []) if env[truth] - HORIZON <= t <= env[truth]])
+                for env in per_env if env[truth] is not None]
+        leads = sorted(h - steps[0] for h, steps in hits if steps)
+        return f"{len(leads)}/{len(hits)}" + (f" (lead {leads[0]}-{leads[-1]})" if leads else "")
+
+    print(f"\n{title}: a co-signal held within {HORIZON} steps up to the halving (lead: steps before it first did), "
+          f"and where nothing halved (by chance: the share of {HORIZON + 1}-step windows it would hold in at that "
+          f"rate)")
+    print(f"  {'signal':<12}{'3-step halvings':>22}{'lasting collapses':>22}{'env runs without a halving':>30}"
+          f"{'their steps':>13}{'by chance':>11}")
+    for signal in CO_SIGNALS:
+        quiet = [env for env in per_env if env[0] is None]
+        ever = sum(bool(env[3].get(signal)) for env in quiet)
+        share = sum(len(env[3].get(signal, [])) for env in quiet) / max(1, sum(env[2] for env in quiet))
+        chance = 1 - (1 - share) ** (HORIZON + 1)
+        print(f"  {signal:<12}{warned(0, signal):>22}{warned(1, signal):>22}{f'held in {ever}/{len(quiet)}':>30}"
+              f"{share:>13.1%}{chance:>11.0%}")
+
+
 def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8,
                   icc: float = 0.0, effective: bool = True) -> list[dict[str, float]]:
     """A run that learns nothing: success, answers, entropy and gradient norm all stationary. With ``icc`` > 0 each
@@ -201,6 +254,8 @@ def main() -> None:
     held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
     heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
     print_table("Held-out runs", [r for rows in heldout for r in rows])
+    lead_table("Tuning runs", [(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))])
+    lead_table("Held-out runs", [(str(p), load(p)) for p in held])
 
     if not args.simulated:
         return
