@@ -34,6 +34,7 @@ import csv
 import math
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 from ragen_pl.callbacks import EchoTrapAlarm
 from ragen_pl.metrics import effective_episodes
@@ -68,6 +69,12 @@ def env_tags(run: list[dict[str, float]]) -> list[str]:
     tags = sorted({k.split("/")[1] for m in run for k in m if k.startswith("rollout/") and k.count("/") == 2
                    and k.endswith("/success")})
     return tags or [""]
+
+
+def env_successes(run: list[dict[str, float]]) -> list[tuple[str, list[float]]]:
+    """(env tag, its training success per step) for each env of the run."""
+    keys = {tag: f"rollout/{tag}/success" if tag else "rollout/success" for tag in env_tags(run)}
+    return [(tag, [m[key] for m in run if key in m]) for tag, key in keys.items()]
 
 
 def halving(successes: list[float], min_peak: float = 0.1, to_end: bool = False) -> int | None:
@@ -111,9 +118,7 @@ def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm) -> list[Ro
     then) per env of the run."""
     fired, seen = replay(run, make())
     rows = []
-    for tag in env_tags(run):
-        key = f"rollout/{tag}/success" if tag else "rollout/success"
-        successes = [m[key] for m in run if key in m]
+    for tag, successes in env_successes(run):
         rows.append((name, tag, halving(successes), halving(successes, to_end=True), fired.get(tag),
                      ", ".join(sorted(seen.get(tag, ()))) or "-"))
     return rows
@@ -166,35 +171,37 @@ def signal_steps(run: list[dict[str, float]], make=EchoTrapAlarm) -> dict[str, d
     return held
 
 
-def lead_table(title: str, runs: list[tuple[str, list[dict[str, float]]]]) -> None:
+class EnvRun(NamedTuple):
+    halved: int | None  # the 3-step halving
+    lasting: int | None  # the halving of a collapse that lasts to the end
+    steps: int
+    held: dict[str, list[int]]  # co-signal -> the steps it held at
+
+
+def lead_table(title: str, runs: list[list[dict[str, float]]]) -> None:
     """Could a signal not tied to success warn first? Per co-signal: the collapses it held within ``HORIZON`` steps
     up to the halving (and how many steps before it first did), and how often it held where nothing collapsed."""
-    per_env = []  # (3-step halving, lasting halving, steps, signal -> steps held)
-    for _, run in runs:
-        held = signal_steps(run)
-        for tag in env_tags(run):
-            key = f"rollout/{tag}/success" if tag else "rollout/success"
-            successes = [m[key] for m in run if key in m]
-            per_env.append((halving(successes), halving(successes, to_end=True), len(run), held.get(tag, {})))
+    envs = [EnvRun(halving(successes), halving(successes, to_end=True), len(run), held.get(tag, {}))
+            for run in runs for held in [signal_steps(run)] for tag, successes in env_successes(run)]
 
-    def warned(truth: int, signal: str) -> str:
-        hits = [(env[truth], [t for t in env[3].get(signal, []) if env[truth] - HORIZON <= t <= env[truth]])
-                for env in per_env if env[truth] is not None]
-        leads = sorted(h - steps[0] for h, steps in hits if steps)
-        return f"{len(leads)}/{len(hits)}" + (f" (lead {leads[0]}-{leads[-1]})" if leads else "")
+    def warned(truth: str, signal: str) -> str:
+        halvings = [(h, [t for t in env.held.get(signal, []) if h - HORIZON <= t <= h])
+                    for env in envs if (h := getattr(env, truth)) is not None]
+        leads = sorted(h - steps[0] for h, steps in halvings if steps)
+        return f"{len(leads)}/{len(halvings)}" + (f" (lead {leads[0]}-{leads[-1]})" if leads else "")
 
     print(f"\n{title}: a co-signal held within {HORIZON} steps up to the halving (lead: steps before it first did), "
           f"and where nothing halved (by chance: the share of {HORIZON + 1}-step windows it would hold in at that "
           f"rate)")
     print(f"  {'signal':<12}{'3-step halvings':>22}{'lasting collapses':>22}{'env runs without a halving':>30}"
           f"{'their steps':>13}{'by chance':>11}")
+    quiet = [env for env in envs if env.halved is None]
     for signal in CO_SIGNALS:
-        quiet = [env for env in per_env if env[0] is None]
-        ever = sum(bool(env[3].get(signal)) for env in quiet)
-        share = sum(len(env[3].get(signal, [])) for env in quiet) / max(1, sum(env[2] for env in quiet))
+        ever = sum(bool(env.held.get(signal)) for env in quiet)
+        share = sum(len(env.held.get(signal, [])) for env in quiet) / max(1, sum(env.steps for env in quiet))
         chance = 1 - (1 - share) ** (HORIZON + 1)
-        print(f"  {signal:<12}{warned(0, signal):>22}{warned(1, signal):>22}{f'held in {ever}/{len(quiet)}':>30}"
-              f"{share:>13.1%}{chance:>11.0%}")
+        print(f"  {signal:<12}{warned('halved', signal):>22}{warned('lasting', signal):>22}"
+              f"{f'held in {ever}/{len(quiet)}':>30}{share:>13.1%}{chance:>11.0%}")
 
 
 def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8,
@@ -254,8 +261,8 @@ def main() -> None:
     held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
     heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
     print_table("Held-out runs", [r for rows in heldout for r in rows])
-    lead_table("Tuning runs", [(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))])
-    lead_table("Held-out runs", [(str(p), load(p)) for p in held])
+    lead_table("Tuning runs", [load(p) for p in sorted(DATA.glob("*_seed*.csv"))])
+    lead_table("Held-out runs", [load(p) for p in held])
 
     if not args.simulated:
         return

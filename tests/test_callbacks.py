@@ -299,7 +299,7 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     falling = [step(0.6 if t < 8 else 0.1, 0.9 if t >= 5 else 0.1) for t in range(20)]
     quiet = [step(0.3, 0.9 if t in (10, 15) else 0.1) for t in range(20)]
     assert echo_trap.signal_steps(falling)["Env"]["repetition"] == list(range(5, 20))
-    echo_trap.lead_table("By hand", [("falling", falling), ("quiet", quiet)])
+    echo_trap.lead_table("By hand", [falling, quiet])
     line = next(row for row in capsys.readouterr().out.splitlines() if row.strip().startswith("repetition"))
     assert line.split() == ["repetition", "1/1", "(lead", "2-2)", "1/1", "(lead", "2-2)", "held", "in", "1/1",
                             "10.0%", "47%"], line
