@@ -191,7 +191,8 @@ def main() -> int:
         # A seed moves the env states (data.seed), the sampling (the engine's generator) and the mini-batch order.
         common = ["--config", str(ROOT / "configs" / f"smollm2-{args.env}.yaml"), f"--seed_everything={seed}",
                   f"--data.seed={1000 * seed}", "--data.engine=ragen_pl.rollout.hf.HFEngine",
-                  f"--data.engine.seed={seed}", f"--model.seed={seed}", f"--trainer.logger.init_args.save_dir={save}"]
+                  f"--data.engine.seed={seed}", "--data.engine.max_batch=128", f"--model.seed={seed}",
+                  f"--trainer.logger.init_args.save_dir={save}"]  # max_batch: 512 evaluation episodes at once took 13 GB
         code = cli(["fit", *common, f"--trainer.max_steps={args.max_steps}",
                     "--trainer.callbacks+=ragen_pl.callbacks.TrainingBudget",
                     f"--trainer.callbacks.minutes={minutes}", *extra])

@@ -38,7 +38,8 @@ class HFEngine(RolloutEngine):
     """
 
     def __init__(self, seed: int = 0, sync_ranks: bool | None = None, cuda_graphs: bool = True,
-                 gather_sharded: bool = True, prefix_cache: bool = True, share_prefix: bool = True) -> None:
+                 gather_sharded: bool = True, prefix_cache: bool = True, share_prefix: bool = True,
+                 max_batch: int | None = None) -> None:
         """
         Args:
             seed: seed of the sampling generator; each process seeds with ``seed + rank``. Its state is
@@ -61,7 +62,15 @@ class HFEngine(RolloutEngine):
                 env's rules: half of each prompt of a ``context_window`` rollout) once, not once per prompt, when
                 they are at least ``SHARED_PREFIX_MIN`` tokens and longer than what a row kept. False prefills them
                 per prompt.
+            max_batch: sample at most this many prompts at once; a call with more runs them in chunks of this
+                size, one after another (the KV cache and the prefill's activations grow with the batch: 512
+                SmolLM2 FrozenLake evaluation episodes in one batch took 13 GB of CPU memory). Kept prefixes work
+                across chunks; at temperature > 0 the draws depend on the chunking. None: all of a call's prompts
+                in one batch.
         """
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"`--data.engine.max_batch` must be >= 1 (or null: no limit), got {max_batch}")
+        self.max_batch = max_batch
         self.seed = seed
         self.sync_ranks = sync_ranks
         self.cuda_graphs = cuda_graphs
@@ -162,6 +171,36 @@ class HFEngine(RolloutEngine):
         model, tok = self._sampling_model(), self.tokenizer
         device = next(model.parameters()).device
         sync = self._sync(model)
+        size = self.max_batch or max(1, len(prompts))
+        chunks = -(-len(prompts) // size)
+        if sync:  # every rank runs as many chunks (each forward is collective)
+            t = torch.tensor([chunks], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            chunks = int(t.item())
+        if chunks <= 1:
+            return self._generate_batch(model, tok, prompts, params, device, sync)
+        # The last call's kept prefixes are taken once for all prompts; each chunk then finds its own among them,
+        # and what the chunks feed is kept together for the next call.
+        hits = self.prefix.take(prompts) if self.prefix is not None else None
+        kept_now, gens = PrefixCache(), []
+        try:
+            for c in range(chunks):
+                part = slice(c * size, (c + 1) * size)
+                if hits is not None:
+                    self.prefix = PrefixCache()
+                    for hit in hits[part]:
+                        if hit is not None:
+                            self.prefix.add(hit.tokens, hit.layers)
+                gens += self._generate_batch(model, tok, prompts[part], params, device, sync)
+                if hits is not None:
+                    kept_now.absorb(self.prefix)
+        finally:
+            if hits is not None:
+                self.prefix = kept_now
+        return gens
+
+    def _generate_batch(self, model, tok, prompts: list[list[int]], params: SamplingParams, device: torch.device,
+                        sync: bool) -> list[Generation]:
         was_training = model.training
         model.eval()
         try:

@@ -56,6 +56,11 @@ class PrefixCache:
     def clear(self) -> None:
         self._kept = {}
 
+    def absorb(self, other: PrefixCache) -> None:
+        """Keep ``other``'s sequences too (a call sampled in chunks, each with a cache of its own)."""
+        for key, kept in other._kept.items():
+            self._kept.setdefault(key, []).extend(kept)
+
     def __len__(self) -> int:
         return sum(len(v) for v in self._kept.values())
 

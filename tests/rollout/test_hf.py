@@ -262,6 +262,31 @@ def test_next_turn_prefills_only_what_is_new_with_the_same_answers(tiny, static)
     assert kept.prefilled_tokens < whole.prefilled_tokens / 2
 
 
+def test_max_batch_samples_in_chunks_with_the_same_answers_and_kept_prefixes(tiny):
+    """max_batch=2 runs 5 prompts as chunks of 2, 2 and 1: the same greedy tokens and log-probs as one batch, and
+    the next turn still prefills only what is new (the kept prefixes of every chunk survive the call)."""
+    model, tok = tiny
+    a, b = tok("Turn 1:\nState:\n#_#")["input_ids"], tok("Turn 1:\nState:\n#__#_#_#_#")["input_ids"]
+    first, replies = [a, b, a, b, a], ["\nReward: 1\nState:\n#_", "\n_#_"]
+    chunked, whole = HFEngine(max_batch=2), HFEngine()
+    chunked.bind(model, tok), whole.bind(model, tok)
+    calls = []
+    batch = chunked._generate_batch
+    chunked._generate_batch = lambda m, t, prompts, *rest: calls.append(len(prompts)) or batch(m, t, prompts, *rest)
+    turns, reference = play_turns(chunked, tok, first, replies), play_turns(whole, tok, first, replies)
+    assert calls == [2, 2, 1] * 3
+    for (prompts, gens), (prompts_ref, gens_ref) in zip(turns, reference):
+        assert prompts == prompts_ref
+        for g, r in zip(gens, gens_ref):
+            assert g.token_ids == r.token_ids
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=1e-5)
+    # Identical prompts are prefilled once per chunk, not per call: the first turn feeds a, b | a, b | a.
+    first_turn = 3 * len(a) + 2 * len(b)
+    assert chunked.prefilled_tokens - first_turn == whole.prefilled_tokens - len(a) - len(b)
+    with pytest.raises(ValueError, match="max_batch"):
+        HFEngine(max_batch=0)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_common_prompt_prefix_is_prefilled_once_with_the_same_answers(tiny, static):
     """Prompts that share their first tokens (the rules, in a context-window rollout) prefill them once: the same
