@@ -62,11 +62,8 @@ class HFEngine(RolloutEngine):
                 env's rules: half of each prompt of a ``context_window`` rollout) once, not once per prompt, when
                 they are at least ``SHARED_PREFIX_MIN`` tokens and longer than what a row kept. False prefills them
                 per prompt.
-            max_batch: sample at most this many prompts at once; a call with more runs them in chunks of this
-                size, one after another (the KV cache and the prefill's activations grow with the batch: 512
-                SmolLM2 FrozenLake evaluation episodes in one batch took 13 GB of CPU memory). Kept prefixes work
-                across chunks; at temperature > 0 the draws depend on the chunking. None: all of a call's prompts
-                in one batch.
+            max_batch: sample at most this many prompts at once, a larger call in chunks (512 SmolLM2 episodes at
+                once reached 13.6 GB on CPU), kept prefixes carried across; sampled draws depend on it. None: no limit.
         """
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"`--data.engine.max_batch` must be >= 1 (or null: no limit), got {max_batch}")
@@ -159,10 +156,11 @@ class HFEngine(RolloutEngine):
             return self.sync_ranks
         return dist.is_available() and dist.is_initialized() and is_sharded(model)
 
-    def _any_rank(self, flag: bool, device: torch.device) -> bool:
-        t = torch.tensor([int(flag)], device=device)
+    def _max_over_ranks(self, value: int | bool, device: torch.device) -> int:
+        """The largest ``value`` of any rank (of a flag: whether any rank's is true)."""
+        t = torch.tensor([int(value)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return int(t.item())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -173,30 +171,21 @@ class HFEngine(RolloutEngine):
         sync = self._sync(model)
         size = self.max_batch or max(1, len(prompts))
         chunks = -(-len(prompts) // size)
-        if sync:  # every rank runs as many chunks (each forward is collective)
-            t = torch.tensor([chunks], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            chunks = int(t.item())
+        if sync and self.max_batch is not None:  # every rank runs as many chunks (each forward is collective)
+            chunks = self._max_over_ranks(chunks, device)
         if chunks <= 1:
             return self._generate_batch(model, tok, prompts, params, device, sync)
-        # The last call's kept prefixes are taken once for all prompts; each chunk then finds its own among them,
-        # and what the chunks feed is kept together for the next call.
-        hits = self.prefix.take(prompts) if self.prefix is not None else None
+        hits = self.prefix.take(prompts) if self.prefix is not None else None  # once; each chunk gets its own
         kept_now, gens = PrefixCache(), []
-        try:
-            for c in range(chunks):
-                part = slice(c * size, (c + 1) * size)
-                if hits is not None:
-                    self.prefix = PrefixCache()
-                    for hit in hits[part]:
-                        if hit is not None:
-                            self.prefix.add(hit.tokens, hit.layers)
-                gens += self._generate_batch(model, tok, prompts[part], params, device, sync)
-                if hits is not None:
-                    kept_now.absorb(self.prefix)
-        finally:
+        for c in range(chunks):
+            part = slice(c * size, (c + 1) * size)
             if hits is not None:
-                self.prefix = kept_now
+                self.prefix = PrefixCache.of(hits[part])
+            gens += self._generate_batch(model, tok, prompts[part], params, device, sync)
+            if hits is not None:
+                kept_now.absorb(self.prefix)
+        if hits is not None:
+            self.prefix = kept_now
         return gens
 
     def _generate_batch(self, model, tok, prompts: list[list[int]], params: SamplingParams, device: torch.device,
@@ -341,7 +330,7 @@ class HFEngine(RolloutEngine):
 
         n = len(prompts)
         generator = self._generator(device)
-        if sync and not self._any_rank(n > 0, device):
+        if sync and not self._max_over_ranks(n > 0, device):
             return []
         out = Outputs(n, tok, params)
         rows = list(range(n))  # prompt index of each live row
@@ -383,7 +372,7 @@ class HFEngine(RolloutEngine):
                         ids, attention, next_pos = ids[index], attention[index], next_pos[index]
             local_live = bool(rows)  # rows is empty after the last step: every row is done then
             # Every rank does one all-reduce and one forward per step, so sharded forwards stay in lockstep.
-            if not (self._any_rank(local_live, device) if sync else local_live):
+            if not (self._max_over_ranks(local_live, device) if sync else local_live):
                 break
             if not local_live:
                 self._dummy_forward(model, device)

@@ -56,6 +56,15 @@ class PrefixCache:
     def clear(self) -> None:
         self._kept = {}
 
+    @classmethod
+    def of(cls, hits: list[Kept | None]) -> PrefixCache:
+        """A cache holding ``hits`` (those taken for one chunk of a call)."""
+        cache = cls()
+        for hit in hits:
+            if hit is not None:
+                cache.add(hit.tokens, hit.layers)
+        return cache
+
     def absorb(self, other: PrefixCache) -> None:
         """Keep ``other``'s sequences too (a call sampled in chunks, each with a cache of its own)."""
         for key, kept in other._kept.items():
