@@ -256,13 +256,15 @@ def main() -> None:
         parser.error(f"--runs: no such file {', '.join(missing)} (a run's metrics.csv, e.g. "
                      f"runs/<name>/version_0/metrics.csv)")
 
-    tuning = [judge(p.stem, load(p)) for p in sorted(DATA.glob("*_seed*.csv"))]
+    tuning_runs = {p.stem: load(p) for p in sorted(DATA.glob("*_seed*.csv"))}
+    tuning = [judge(name, run) for name, run in tuning_runs.items()]
     print_table("Tuning runs (the defaults were chosen on these)", [r for rows in tuning for r in rows])
     held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
-    heldout = [judge(p.stem if p.name != "metrics.csv" else str(p.parent), load(p)) for p in held]
+    held_runs = {p.stem if p.name != "metrics.csv" else str(p.parent): load(p) for p in held}
+    heldout = [judge(name, run) for name, run in held_runs.items()]
     print_table("Held-out runs", [r for rows in heldout for r in rows])
-    lead_table("Tuning runs", [load(p) for p in sorted(DATA.glob("*_seed*.csv"))])
-    lead_table("Held-out runs", [load(p) for p in held])
+    lead_table("Tuning runs", list(tuning_runs.values()))
+    lead_table("Held-out runs", list(held_runs.values()))
 
     if not args.simulated:
         return

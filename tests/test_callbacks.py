@@ -292,8 +292,8 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     assert "Simulated" not in capsys.readouterr().out
     # The lead table by hand: success falls from 0.6 to 0.1 at step 8 and stays down, so the halving is at 7 (steps
     # 7-9 average 0.267 < 0.3); repetition jumps past max_repetition (0.6) from step 5, 2 steps before, within the
-    # 5-step horizon. A run with no halving where repetition holds at 2 of
-    # its 20 steps: held in 1 of 1, 10% of steps, so by chance 1 - 0.9^6 = 47% of 6-step windows.
+    # 5-step horizon. A run with no halving where repetition holds at 2 of its 20 steps: held in 1 of 1, 10% of
+    # steps, so by chance 1 - 0.9^6 = 47% of 6-step windows.
     def step(success, repetition):
         return {"rollout/Env/success": success, "rollout/Env/episodes": 64.0, "rollout/Env/repetition": repetition}
     falling = [step(0.6 if t < 8 else 0.1, 0.9 if t >= 5 else 0.1) for t in range(20)]
