@@ -120,8 +120,9 @@ class EchoTrapAlarm(Callback):
       each *not* arithmetically tied to success (the in-group reward std is not one: with 0/1 rewards it falls
       whenever success does), named in the warning when they hold:
       ``repetition`` (the env's share of repeated answers in a group above ``repetition_ratio`` x and
-      ``repetition_margin`` over its trailing median, or above ``max_repetition``), ``entropy`` (``loss/entropy``
-      below ``entropy_ratio`` x its trailing median), ``mi`` (``collapse/mi``, RAGEN-2's I(X;Z), below
+      ``repetition_margin`` over its trailing median, or above ``max_repetition``), ``entropy`` (the env's
+      ``rollout/<tag>/token_entropy`` where a multi-env run logs it, else ``loss/entropy``, below ``entropy_ratio``
+      x its trailing median), ``mi`` (``collapse/mi``, RAGEN-2's I(X;Z), below
       ``mi_ratio`` x its trailing median when that median is at least ``mi_floor``: the reasoning stops depending
       on the input), ``grad_spike`` (``actor/grad_norm`` above ``spike_ratio`` x its trailing median).
 
@@ -264,7 +265,8 @@ class EchoTrapAlarm(Callback):
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed one step's metrics; return the signals of the env that is collapsing now (empty if none)."""
         batch: dict[str, float] = {}
-        if self._below("entropy", metrics.get("loss/entropy"), self.entropy_ratio):
+        per_env = any(k.startswith("rollout/") and k.endswith("/token_entropy") and k.count("/") == 2 for k in metrics)
+        if not per_env and self._below("entropy", metrics.get("loss/entropy"), self.entropy_ratio):
             batch["entropy"] = metrics["loss/entropy"]
         if self._above("grad", metrics.get("actor/grad_norm"), self.spike_ratio):
             batch["grad_spike"] = metrics["actor/grad_norm"]
@@ -275,6 +277,9 @@ class EchoTrapAlarm(Callback):
         for tag in tags:
             prefix = f"rollout/{tag}/" if tag else "rollout/"
             signals = dict(batch)
+            entropy = metrics.get(f"{prefix}token_entropy") if per_env else None
+            if self._below(f"{tag}/entropy", entropy, self.entropy_ratio):
+                signals["entropy"] = entropy  # type: ignore[assignment]
             mi_key = f"collapse/{tag}/mi" if f"collapse/{tag}/mi" in metrics else "collapse/mi"
             if self._below(f"{tag}/mi", metrics.get(mi_key), self.mi_ratio, self.mi_floor):
                 signals["mi"] = metrics[mi_key]

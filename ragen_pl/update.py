@@ -302,12 +302,20 @@ def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor
 # ------------------------------------------------------------------------------------------ diagnostics
 def entropy_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:
     """Sampled-token negative log-likelihood under the sampling policy: a Monte-Carlo estimate of its entropy, per
-    token and summed over each trajectory (the paper's trajectory entropy)."""
+    token and summed over each trajectory (the paper's trajectory entropy); per token for each env too
+    (``rollout/<tag>/token_entropy``) when the batch holds several, so that one env's narrowing is not averaged
+    away by another's."""
     assert batch.old_logprobs is not None
     nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
     real = batch.loss_mask.any(-1)
-    return {"rollout/token_entropy": nll.sum() / batch.loss_mask.sum().clamp(min=1),
-            "rollout/trajectory_entropy": nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())}
+    out = {"rollout/token_entropy": nll.sum() / batch.loss_mask.sum().clamp(min=1),
+           "rollout/trajectory_entropy": nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())}
+    tags = sorted(set(batch.env_tags))
+    for tag in tags if len(tags) > 1 else ():
+        rows = torch.tensor([t == tag for t in batch.env_tags], device=nll.device)
+        if bool(batch.loss_mask[rows].any()):
+            out[f"rollout/{tag}/token_entropy"] = nll[rows].sum() / batch.loss_mask[rows].sum()
+    return out
 
 
 def mismatch_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:

@@ -97,6 +97,23 @@ def test_a_low_success_env_can_collapse_but_its_noise_cannot():
     assert sum(bool(run(EchoTrapAlarm(min_z=1e-9), s)) for s in noisy) >= 50
 
 
+def test_entropy_is_read_per_env_where_the_run_logs_it():
+    """A multi-env run logs each env's token entropy: one env narrowing is its own signal, not the other's, and the
+    batch-wide loss/entropy (which mixes them) is then not read."""
+    steady = stream(30, lambda i: 0.5, tag="FrozenLake")
+    falling = stream(30, lambda i: 0.5 if i < 20 else 0.05, tag="Bandit")
+    metrics = [{**a, **b, "rollout/FrozenLake/token_entropy": 1.0, "loss/entropy": 1.0 if i < 20 else 0.1,
+                "rollout/Bandit/token_entropy": 1.0 if i < 15 else 0.2} for i, (a, b) in enumerate(zip(steady, falling))]
+    alarm = EchoTrapAlarm()
+    held = []
+    for m in metrics:
+        alarm.observe(m)
+        held.append({tag: set(signals) for tag, signals in alarm.held.items()})
+    assert held[15] == {"Bandit": {"entropy"}, "FrozenLake": set()}  # before success fell: a lead
+    assert held[20] == {"Bandit": {"entropy", "success_drop"}, "FrozenLake": set()}
+    assert held[25] == {"Bandit": {"success_drop"}, "FrozenLake": set()}  # the window has caught up with it
+
+
 def test_one_env_collapsing_while_another_improves():
     rising = stream(30, lambda i: min(0.9, 0.05 * i), tag="FrozenLake")
     falling = stream(30, lambda i: 0.5 if i < 10 else 0.05, tag="Bandit")

@@ -14,7 +14,7 @@ from ragen_pl.advantages import GRPO
 from ragen_pl.config import PPOConfig, RolloutConfig
 from ragen_pl.policy import Models
 from ragen_pl.types import TrajectoryBatch
-from ragen_pl.update import StarPOUpdate, mismatch_metrics
+from ragen_pl.update import StarPOUpdate, entropy_metrics, mismatch_metrics
 
 
 class TwoLayer(nn.Module):
@@ -120,6 +120,21 @@ def test_mismatch_metrics_hand_derived():
     assert float(m["mismatch/kl_k3"]) == pytest.approx(float(k3) / n, rel=1e-5)
     batch.rollout_logprobs = None
     assert mismatch_metrics(batch) == {}
+
+
+def test_entropy_metrics_hand_derived_per_env():
+    from tests.helpers import make_batch
+
+    # Env a: rows 0 and 2 (3 + 1 sampled tokens); env b: row 1 (2 tokens). Log-probs are -1, -2, -3, ...
+    batch = make_batch([[1, 1, 1, 0], [0, 1, 1, 0], [1, 0, 0, 0]],
+                       old_logprobs=[[-1, -2, -3, -9], [-9, -4, -6, -9], [-2, -9, -9, -9]], env_tags=["a", "b", "a"])
+    m = {k: float(v) for k, v in entropy_metrics(batch).items()}
+    assert m["rollout/token_entropy"] == pytest.approx((1 + 2 + 3 + 4 + 6 + 2) / 6)
+    assert m["rollout/trajectory_entropy"] == pytest.approx((6 + 10 + 2) / 3)
+    assert m["rollout/a/token_entropy"] == pytest.approx((1 + 2 + 3 + 2) / 4)
+    assert m["rollout/b/token_entropy"] == pytest.approx((4 + 6) / 2)
+    batch.env_tags = ("a", "a", "a")  # one env: the batch-wide figure says it all
+    assert not any(k.count("/") == 2 for k in entropy_metrics(batch))
 
 
 def test_off_policy_correction_hand_derived():

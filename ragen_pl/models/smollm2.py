@@ -55,9 +55,9 @@ SMOLLM2_WARM = {
     "frozenlake": WarmStart("ragen_pl.envs.frozen_lake.FrozenLake", dict(
         max_turns=10, max_actions_per_turn=1, max_actions_per_episode=10, max_new_tokens=8, think=False,
         context_window=1), episodes=128, steps=24, env_args={"cell_separator": " "}),
-    "sokoban": WarmStart("ragen_pl.envs.sokoban.Sokoban", dict(max_turns=5, max_actions_per_turn=2,
-                         max_actions_per_episode=10, max_new_tokens=12, think=False), episodes=128, steps=24,
-                         env_args={"cell_separator": " "}),
+    "sokoban": WarmStart("ragen_pl.envs.sokoban.Sokoban", dict(
+        max_turns=10, max_actions_per_turn=1, max_actions_per_episode=10, max_new_tokens=8, think=False,
+        context_window=1), episodes=128, steps=24, env_args={"cell_separator": " "}),
 }
 # ``<env>-effective``: the same recipe on random *effective* moves (no walk into a wall or off the map): the answer
 # depends on the board from the start, still with no goal, reward or solver in it.
