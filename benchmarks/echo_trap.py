@@ -36,7 +36,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
-from ragen_pl.callbacks import EchoTrapAlarm
+from ragen_pl.echo_trap import EchoTrapAlarm
 from ragen_pl.metrics import effective_episodes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "echo_trap"

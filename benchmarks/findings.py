@@ -139,7 +139,7 @@ def collapse_iteration(success: list[float]) -> int | None:
 
 def alarm_steps(metrics: Path) -> list[int]:
     """Iterations at which the Echo Trap alarm (its current defaults) fires on a run's logged metrics."""
-    from ragen_pl.callbacks import EchoTrapAlarm
+    from ragen_pl.echo_trap import EchoTrapAlarm
 
     alarm, fired = EchoTrapAlarm(), []
     with open(metrics) as f:

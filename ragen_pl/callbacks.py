@@ -1,4 +1,5 @@
-"""Callbacks: weight sync to the rollout engine, step-0 evaluation, trajectory samples, the Echo Trap alarm.
+"""Callbacks: weight sync to the rollout engine, step-0 evaluation, trajectory samples, the training budget (the Echo
+Trap alarm lives in ragen_pl.echo_trap).
 
 Syncing weights is a Callback, not part of ``training_step``: the update knows nothing of engines.
 """
@@ -6,18 +7,19 @@ Syncing weights is a Callback, not part of ``training_step``: the update knows n
 from __future__ import annotations
 
 import json
-import math
-from collections import deque
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ragen_pl.dist import mean_over_ranks
+from ragen_pl.echo_trap import (
+    EchoTrapAlarm,  # its home; `ragen_pl.callbacks.EchoTrapAlarm` stays valid in configs
+)
 
 
 def _datamodule(trainer: pl.Trainer):
@@ -101,235 +103,6 @@ class TrajectorySamples(Callback):
                 logger.log_table("samples", columns=["env", "seed", "success", "return", "transcript"], data=table)
 
 
-class EchoTrapAlarm(Callback):
-    """Watch for the Echo Trap (paper, section on collapse) and act before a run wastes more of its budget.
-
-    A collapse is an env whose training success falls, significantly for the episodes behind it. In the
-    quickstart's GRPO runs Bandit success fell from 0.44-0.64 to 0.00-0.13 within one to three iterations, onto the
-    safe arm, with repetition rising later. Narrowing alone is no alarm: a PPO run that *solves* Bandit narrows too
-    (repetition 0.07 -> 0.86). So per env tag (in a multi-env run one env can collapse while another improves):
-
-    * ``success_drop`` (required): over the last k steps (each k in 1..``smooth``) the env's success is below
-      ``drop_ratio`` x the best k-step success it reached, and the fall is significant: a two-proportion z of at
-      least ``min_z``, counting the episodes behind each share (``rollout/<tag>/episodes``) over the run's mean
-      design effect (episodes / ``rollout/<tag>/effective_episodes``: trajectories of a group share a board, and on
-      RAGEN's random boards their successes cluster, so a share varies more than a binomial of its episodes). With
-      0/1 rewards a noisy success at 15% halves by chance every few steps; the z-test, not a minimum peak, keeps that
-      quiet, so an env that never reached 0.3 (SmolLM2 on Sokoban) can still raise it;
-    * ``min_signals - 1`` more signals (none by default: on recorded runs they held as often without a collapse),
-      each *not* arithmetically tied to success (the in-group reward std is not one: with 0/1 rewards it falls
-      whenever success does), named in the warning when they hold:
-      ``repetition`` (the env's share of repeated answers in a group above ``repetition_ratio`` x and
-      ``repetition_margin`` over its trailing median, or above ``max_repetition``), ``entropy`` (the env's
-      ``rollout/<tag>/token_entropy`` where a multi-env run logs it, else ``loss/entropy``, below ``entropy_ratio``
-      x its trailing median), ``mi`` (``collapse/mi``, RAGEN-2's I(X;Z), below
-      ``mi_ratio`` x its trailing median when that median is at least ``mi_floor``: the reasoning stops depending
-      on the input), ``grad_spike`` (``actor/grad_norm`` above ``spike_ratio`` x its trailing median).
-
-    It fires when these hold for ``patience`` consecutive steps, names the env and the signals with their values, and
-    then warns, saves a checkpoint, or stops training (``action``). It fires once per env. It is a detector, not a
-    forecast: it needs the fall to be visible in the counts. ``benchmarks/echo_trap.py`` prints its delay (steps
-    from the halving of success to the alarm) on recorded runs, the runs its defaults were chosen on apart from
-    held-out ones, and its false alarms on simulated runs with no learning at several success levels.
-    In a multi-process run ``episodes`` is a per-process mean, so the test counts fewer episodes than were
-    played: less sensitive, never more.
-    """
-
-    def __init__(
-        self,
-        window: int = 10,
-        smooth: int = 3,
-        drop_ratio: float = 0.5,
-        min_z: float = 4.0,
-        repetition_ratio: float = 1.5,
-        repetition_margin: float = 0.1,
-        max_repetition: float = 0.6,
-        entropy_ratio: float = 0.5,
-        mi_ratio: float = 0.5,
-        mi_floor: float = 0.02,
-        spike_ratio: float = 5.0,
-        min_signals: int = 1,
-        patience: int = 2,
-        action: Literal["warn", "checkpoint", "stop"] = "warn",
-    ) -> None:
-        """
-        Args:
-            window: trailing steps the co-signals compare the latest value with.
-            smooth: the success test also compares k-step means, k = 1..smooth (a slow fall at low success).
-            drop_ratio: success-drop signal when an env's success < this x its best so far ...
-            min_z: ... and the fall is at least this many standard errors (two-proportion z-test).
-            repetition_ratio: repetition signal when the env's repetition > this x its trailing median ...
-            repetition_margin: ... and more than this above it (small shares fluctuate by several x).
-            max_repetition: repetition signal when the env's repetition > this, whatever the window.
-            entropy_ratio: entropy signal when the latest entropy < this x the trailing median.
-            mi_ratio: I(X;Z) signal when the latest ``collapse/mi`` < this x its trailing median ...
-            mi_floor: ... and that median is at least this (nats; below it the input is not read anyway).
-            spike_ratio: gradient signal when the latest actor gradient norm > this x the trailing median.
-            min_signals: signals that must hold together, the success drop included.
-            patience: consecutive steps they must hold.
-            action: what to do when it fires.
-        """
-        if action not in ("warn", "checkpoint", "stop"):
-            raise ValueError(f"`EchoTrapAlarm.action` must be warn, checkpoint or stop, got {action!r}")
-        if window < 2 or smooth < 1 or patience < 1 or not 1 <= min_signals <= 5:
-            raise ValueError(f"`EchoTrapAlarm` needs window >= 2, smooth >= 1, patience >= 1, 1 <= min_signals <= 5; "
-                             f"got {window}, {smooth}, {patience}, {min_signals}")
-        if not 0 < drop_ratio < 1 or not min_z > 0:
-            raise ValueError(f"`EchoTrapAlarm` needs 0 < drop_ratio < 1 and min_z > 0; got {drop_ratio}, {min_z}")
-        self.window, self.smooth, self.drop_ratio, self.min_z = window, smooth, drop_ratio, min_z
-        self.repetition_ratio, self.max_repetition = repetition_ratio, max_repetition
-        self.repetition_margin = repetition_margin
-        self.entropy_ratio, self.spike_ratio = entropy_ratio, spike_ratio
-        self.mi_ratio, self.mi_floor = mi_ratio, mi_floor
-        self.min_signals, self.patience, self.action = min_signals, patience, action
-        self.history: dict[str, deque[float]] = {}
-        self.successes: dict[str, deque[tuple[float, float]]] = {}  # tag -> last `smooth` (success, episodes)
-        self.peaks: dict[str, dict[int, tuple[float, float]]] = {}  # tag -> k -> best k-step (success, episodes)
-        self.design: dict[str, tuple[float, int]] = {}  # tag -> (sum, count) of the steps' design effects
-        self.streaks: dict[str, int] = {}
-        self.fired_at: int | None = None
-        self.fired_tags: set[str] = set()
-        self.last_signals: dict[str, float] = {}
-        self.last_tag: str | None = None
-        self.held: dict[str, dict[str, float]] = {}  # env tag -> every signal that held at the latest step
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The trailing windows and peaks survive a resume, so the alarm compares against the run's own history."""
-        return {"history": {k: list(v) for k, v in self.history.items()},
-                "successes": {k: [list(x) for x in v] for k, v in self.successes.items()},
-                "peaks": {t: {str(k): list(v) for k, v in p.items()} for t, p in self.peaks.items()},
-                "design": {t: list(v) for t, v in self.design.items()},
-                "streaks": dict(self.streaks), "fired_at": self.fired_at, "fired_tags": sorted(self.fired_tags)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = {k: deque(v, maxlen=self.window) for k, v in state_dict.get("history", {}).items()}
-        self.successes = {k: deque((tuple(x) for x in v), maxlen=self.smooth)  # type: ignore[misc]
-                          for k, v in state_dict.get("successes", {}).items()}
-        peaks = state_dict.get("peaks", {})
-        self.peaks = {t: {int(k): tuple(v) for k, v in p.items()} for t, p in peaks.items()  # type: ignore[misc]
-                      if isinstance(p, dict)}  # a checkpoint of the old alarm kept one float per tag: start afresh
-        self.design = {t: (float(v[0]), int(v[1])) for t, v in state_dict.get("design", {}).items()}
-        self.streaks = dict(state_dict.get("streaks", {}))
-        self.fired_at = state_dict.get("fired_at")
-        self.fired_tags = set(state_dict.get("fired_tags", []))
-
-    def _below(self, key: str, value: float | None, ratio: float, floor: float = 0.0) -> bool:
-        """Whether ``value`` is below ``ratio`` x the trailing median of ``key`` (a median of at least ``floor``);
-        record it."""
-        if value is None or not math.isfinite(value):
-            return False
-        h = self.history.setdefault(key, deque(maxlen=self.window))
-        low = len(h) >= 2 and (base := _median(h)) >= floor and value < ratio * base
-        h.append(value)
-        return low
-
-    def _above(self, key: str, value: float | None, ratio: float, ceiling: float | None = None,
-               margin: float = 0.0) -> bool:
-        """Whether ``value`` is above ``ratio`` x (and ``margin`` over) the trailing median of ``key``, or above
-        ``ceiling``; non-finite counts as above. Records it."""
-        if value is None:
-            return False
-        h = self.history.setdefault(key, deque(maxlen=self.window))
-        if not math.isfinite(value):
-            return True
-        base = _median(h) if len(h) >= 2 else None
-        high = (ceiling is not None and value > ceiling) or (
-            base is not None and value > ratio * max(base, 1e-6) and value > base + margin)
-        h.append(value)
-        return high
-
-    def _success_dropped(self, tag: str, success: float, episodes: float, effective: float | None = None) -> bool:
-        """Record this step's success; whether some k-step mean fell significantly below its best (see class)."""
-        recent = self.successes.setdefault(tag, deque(maxlen=self.smooth))
-        recent.append((success, episodes))
-        total, steps = self.design.get(tag, (0.0, 0))
-        if effective is not None and math.isfinite(effective) and effective > 0:
-            total, steps = total + max(1.0, episodes / effective), steps + 1
-            self.design[tag] = (total, steps)
-        deff = total / steps if steps else 1.0  # runs logged before effective_episodes: the binomial count
-        peaks = self.peaks.setdefault(tag, {})
-        dropped = False
-        for k in range(1, len(recent) + 1):
-            window = list(recent)[-k:]
-            n = sum(e for _, e in window)
-            now = sum(s * e for s, e in window) / n
-            best, n_best = peaks.get(k, (now, n))
-            if now >= best:
-                peaks[k] = (now, n)
-            elif now < self.drop_ratio * best and drop_z(best, n_best / deff, now, n / deff) >= self.min_z:
-                dropped = True
-        return dropped
-
-    def observe(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Feed one step's metrics; return the signals of the env that is collapsing now (empty if none)."""
-        batch: dict[str, float] = {}
-        per_env = any(k.startswith("rollout/") and k.endswith("/token_entropy") and k.count("/") == 2 for k in metrics)
-        if not per_env and self._below("entropy", metrics.get("loss/entropy"), self.entropy_ratio):
-            batch["entropy"] = metrics["loss/entropy"]
-        if self._above("grad", metrics.get("actor/grad_norm"), self.spike_ratio):
-            batch["grad_spike"] = metrics["actor/grad_norm"]
-        tags = sorted({k.split("/")[1] for k in metrics if k.startswith("rollout/") and k.count("/") == 2
-                       and k.endswith("/success")}) or [""]
-        worst: dict[str, float] = {}
-        self.last_tag = None
-        for tag in tags:
-            prefix = f"rollout/{tag}/" if tag else "rollout/"
-            signals = dict(batch)
-            entropy = metrics.get(f"{prefix}token_entropy") if per_env else None
-            if self._below(f"{tag}/entropy", entropy, self.entropy_ratio):
-                signals["entropy"] = entropy  # type: ignore[assignment]
-            mi_key = f"collapse/{tag}/mi" if f"collapse/{tag}/mi" in metrics else "collapse/mi"
-            if self._below(f"{tag}/mi", metrics.get(mi_key), self.mi_ratio, self.mi_floor):
-                signals["mi"] = metrics[mi_key]
-            rep = metrics.get(prefix + "repetition")
-            if self._above(f"{tag}/repetition", rep, self.repetition_ratio, self.max_repetition,
-                           self.repetition_margin):
-                signals["repetition"] = rep  # type: ignore[assignment]
-            success, episodes = metrics.get(prefix + "success"), metrics.get(prefix + "episodes")
-            if (success is not None and episodes is not None and math.isfinite(success) and episodes > 0
-                    and self._success_dropped(tag, success, episodes, metrics.get(prefix + "effective_episodes"))):
-                signals["success_drop"] = success
-            self.held[tag] = signals
-            collapsing = "success_drop" in signals and len(signals) >= self.min_signals and tag not in self.fired_tags
-            self.streaks[tag] = self.streaks.get(tag, 0) + 1 if collapsing else 0
-            if collapsing and (self.last_tag is None or self.streaks[tag] > self.streaks[self.last_tag]):
-                worst, self.last_tag = signals, tag
-        self.last_signals = worst
-        return worst
-
-    @property
-    def firing(self) -> bool:
-        return self.last_tag is not None and self.streaks.get(self.last_tag, 0) >= self.patience
-
-    @override
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
-        signals = self.observe(metrics)
-        if not self.firing:
-            return
-        self.fired_at = trainer.global_step
-        self.fired_tags.add(self.last_tag or "")
-        described = ", ".join(f"{k}={v:.4g}" for k, v in signals.items())
-        env = f" in env {self.last_tag}" if self.last_tag else ""
-        message = (f"Echo Trap alarm at step {trainer.global_step}{env}: {described} held for "
-                   f"{self.streaks[self.last_tag or '']} steps (success collapsing while behaviour narrows). "
-                   f"Consider a stronger variance filter, a lower learning rate, or clip-higher.")
-        rank_zero_warn(message)
-        if hasattr(pl_module, "log_sporadic"):  # logged once, at this step (not repeated by Lightning)
-            pl_module.log_sporadic({"echo_trap/fired": 1.0})
-        else:
-            pl_module.log("echo_trap/fired", 1.0, batch_size=1)
-        if self.action == "checkpoint":
-            path = Path(trainer.log_dir or trainer.default_root_dir) / f"echo-trap-step{trainer.global_step}.ckpt"
-            trainer.save_checkpoint(path)
-            rank_zero_info(f"saved {path}")
-        elif self.action == "stop":
-            trainer.should_stop = True
-        self.streaks[self.last_tag or ""] = 0
-
-
 class TrainingBudget(Callback):
     """Stop training once its iterations (rollout, filter, scoring, update: ``time/iteration``) have used
     ``minutes`` of wall time; evaluations do not count. The run then ends as at ``max_steps`` (checkpoint saved)."""
@@ -361,21 +134,6 @@ class TrainingBudget(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.spent_s = float(state_dict.get("spent_s", 0.0))
-
-
-def drop_z(before: float, n_before: float, after: float, n_after: float) -> float:
-    """How many standard errors a success share fell from ``before`` (over ``n_before`` episodes) to ``after``
-    (over ``n_after``): the pooled two-proportion z statistic (infinite for a certain fall, 0 for none)."""
-    pooled = (before * n_before + after * n_after) / (n_before + n_after)
-    variance = pooled * (1 - pooled) * (1 / n_before + 1 / n_after)
-    if variance <= 0:
-        return math.inf if before > after else 0.0
-    return (before - after) / math.sqrt(variance)
-
-
-def _median(values) -> float:
-    s = sorted(values)
-    return s[len(s) // 2]
 
 
 class RagenProgressBar(TQDMProgressBar):

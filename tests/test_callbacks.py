@@ -10,9 +10,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from ragen_pl.callbacks import EchoTrapAlarm, TrajectorySamples, ValidateAtStart, drop_z
+from ragen_pl.callbacks import TrajectorySamples, ValidateAtStart
 from ragen_pl.config import RolloutConfig
 from ragen_pl.data import RolloutDataModule
+from ragen_pl.echo_trap import EchoTrapAlarm, drop_z
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.filters import NoFilter
 from ragen_pl.module import PPOConfig, RagenModule
