@@ -94,20 +94,27 @@ def halving(successes: list[float], min_peak: float = 0.1, to_end: bool = False)
     return None
 
 
-def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> tuple[dict[str, int], dict[str, set[str]]]:
-    """env tag -> the step at which the alarm fired (each env once); env tag -> the signals other than the success
-    drop that held at some step up to then (to the end where it never fired)."""
-    fired: dict[str, int] = {}
-    seen: dict[str, set[str]] = {}
+class Replay(NamedTuple):
+    fired: dict[str, int]  # env tag -> the step at which the alarm fired (each env once)
+    seen: dict[str, set[str]]  # env tag -> signals other than the success drop that held up to then (or the end)
+    held: dict[str, dict[str, list[int]]]  # env tag -> co-signal -> every step it held at, whatever success did
+
+
+def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> Replay:
+    """Feed a run's steps to ``alarm`` as training would, and record what it did and what held when."""
+    out = Replay({}, {}, {})
     for step, metrics in enumerate(run):
         alarm.observe(metrics)
         for tag, held in alarm.held.items():
-            if tag not in fired:
-                seen.setdefault(tag, set()).update(k for k in held if k != "success_drop")
+            signals = [k for k in held if k != "success_drop"]
+            for signal in signals:
+                out.held.setdefault(tag, {}).setdefault(signal, []).append(step)
+            if tag not in out.fired:
+                out.seen.setdefault(tag, set()).update(signals)
         if alarm.firing:
-            fired[alarm.last_tag or ""] = step
+            out.fired[alarm.last_tag or ""] = step
             alarm.fired_tags.add(alarm.last_tag or "")
-    return fired, seen
+    return out
 
 
 Row = tuple[str, str, "int | None", "int | None", "int | None", str]
@@ -116,7 +123,7 @@ Row = tuple[str, str, "int | None", "int | None", "int | None", str]
 def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm) -> list[Row]:
     """(run, env, halving step, halving step of a collapse that lasts to the end, alarm step, other signals seen by
     then) per env of the run."""
-    fired, seen = replay(run, make())
+    fired, seen, _ = replay(run, make())
     rows = []
     for tag, successes in env_successes(run):
         rows.append((name, tag, halving(successes), halving(successes, to_end=True), fired.get(tag),
@@ -159,18 +166,6 @@ HORIZON = 5
 CO_SIGNALS = ("entropy", "grad_spike", "mi", "repetition")
 
 
-def signal_steps(run: list[dict[str, float]], make=EchoTrapAlarm) -> dict[str, dict[str, list[int]]]:
-    """env tag -> signal -> the steps at which that signal held, by the alarm's thresholds, whatever success did."""
-    alarm, held = make(), {}
-    for step, metrics in enumerate(run):
-        alarm.observe(metrics)
-        for tag, signals in alarm.held.items():
-            for signal in signals:
-                if signal != "success_drop":
-                    held.setdefault(tag, {}).setdefault(signal, []).append(step)
-    return held
-
-
 class EnvRun(NamedTuple):
     halved: int | None  # the 3-step halving
     lasting: int | None  # the halving of a collapse that lasts to the end
@@ -182,7 +177,7 @@ def lead_table(title: str, runs: list[list[dict[str, float]]]) -> None:
     """Could a signal not tied to success warn first? Per co-signal: the collapses it held within ``HORIZON`` steps
     up to the halving (and how many steps before it first did), and how often it held where nothing collapsed."""
     envs = [EnvRun(halving(successes), halving(successes, to_end=True), len(run), held.get(tag, {}))
-            for run in runs for held in [signal_steps(run)] for tag, successes in env_successes(run)]
+            for run in runs for held in [replay(run, EchoTrapAlarm()).held] for tag, successes in env_successes(run)]
 
     def warned(truth: str, signal: str) -> str:
         halvings = [(h, [t for t in env.held.get(signal, []) if h - HORIZON <= t <= h])
@@ -234,7 +229,7 @@ def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm, 
                       effective: bool = True) -> dict[float, float]:
     """Success level -> share of simulated no-learning runs on which the alarm fired."""
     rng = random.Random(seed)
-    return {level: sum(bool(replay(simulated_run(level, steps, rng, icc=icc, effective=effective), make())[0])
+    return {level: sum(bool(replay(simulated_run(level, steps, rng, icc=icc, effective=effective), make()).fired)
                        for _ in range(runs)) / runs for level in LEVELS}
 
 

@@ -316,7 +316,7 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
         return {"rollout/Env/success": success, "rollout/Env/episodes": 64.0, "rollout/Env/repetition": repetition}
     falling = [step(0.6 if t < 8 else 0.1, 0.9 if t >= 5 else 0.1) for t in range(20)]
     quiet = [step(0.3, 0.9 if t in (10, 15) else 0.1) for t in range(20)]
-    assert echo_trap.signal_steps(falling)["Env"]["repetition"] == list(range(5, 20))
+    assert echo_trap.replay(falling, EchoTrapAlarm()).held["Env"]["repetition"] == list(range(5, 20))
     echo_trap.lead_table("By hand", [falling, quiet])
     line = next(row for row in capsys.readouterr().out.splitlines() if row.strip().startswith("repetition"))
     assert line.split() == ["repetition", "1/1", "(lead", "2-2)", "1/1", "(lead", "2-2)", "held", "in", "1/1",
