@@ -197,6 +197,7 @@ class Collector:
                 prompts = [ep.chat.prompt_ids() for ep in live]  # type: ignore[union-attr]
                 t0 = time.perf_counter()
                 timings["tokenize"] += t0 - t1
+                self.engine.next_call_extends(turn + 1 < min(c.max_turns, c.context_window or c.max_turns))
                 gens = self.engine.generate(prompts, params)
                 timings["generate"] += time.perf_counter() - t0
                 for ep, gen in zip(live, gens):

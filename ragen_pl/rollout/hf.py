@@ -8,7 +8,8 @@ written out rather than calling ``model.generate`` so that per-token log-probs c
 A multi-turn prompt extends the previous turn's prompt and answer. The engine keeps the KV of every sequence a
 ``generate`` call fed (:class:`PrefixCache`) until the next call, so that the next turn prefills only what is new
 (the env's message): a Sokoban rollout of ``benchmarks/rollout.py`` feeds 2.4 prompt tokens per sampled one instead
-of 11. The collector ends each rollout with :meth:`HFEngine.end_rollout`, and new weights clear the cache as well.
+of 11. Nothing is kept where the collector says no next call extends it (``next_call_extends``: the last turn, a
+``context_window``). The collector ends each rollout with :meth:`HFEngine.end_rollout`; new weights clear it too.
 
 A sharded policy (FSDP) samples through an unsharded copy of its weights by default. Sampling the sharded model
 itself (``gather_sharded=False``), every rank must run the same number of forward passes (each all-gathers
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from ragen_pl.dist import is_sharded, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
-from ragen_pl.rollout.prefix import PrefixCache, kept_past, shared_prefix
+from ragen_pl.rollout.prefix import PrefixCache, kept_past, left_padded, shared_prefix
 from ragen_pl.rollout.sampling import Outputs, sample_next, truncates
 
 
@@ -78,6 +79,7 @@ class HFEngine(RolloutEngine):
         """The sampling generator, made on the model's device at the first ``generate`` (see ``_generator``)."""
         self._pending_state: dict | None = None
         self.prefix = PrefixCache() if prefix_cache else None
+        self._extends = True  # the next call's prompts extend this one's (`next_call_extends`); one call only
         self.share_prefix = share_prefix
         self.prefilled_tokens = 0
         """Prompt tokens fed to the model so far (a kept prefix is not fed again); for benchmarks and tests."""
@@ -163,9 +165,18 @@ class HFEngine(RolloutEngine):
         return int(t.item())
 
     @torch.no_grad()
+    def next_call_extends(self, extends: bool) -> None:
+        self._extends = extends
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before bind(model, tokenizer)")
+        try:
+            return self._generate_chunks(prompts, params)
+        finally:
+            self._extends = True
+
+    def _generate_chunks(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         model, tok = self._sampling_model(), self.tokenizer
         device = next(model.parameters()).device
         sync = self._sync(model)
@@ -205,17 +216,6 @@ class HFEngine(RolloutEngine):
         finally:
             model.train(was_training)
 
-    def _left_padded(self, tok, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-        """(n, width) ids and attention mask, left-padded: every row's newest token sits in the last column."""
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p):] = 1
-        return input_ids.to(device), attention.to(device)
-
     def _prefill_inputs(self, model, tok, prompts: list[list[int]], device: torch.device
                         ) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]] | None]:
         """What the prefill of ``prompts`` feeds, after taking each one's longest kept prefix (C columns at most):
@@ -230,7 +230,7 @@ class HFEngine(RolloutEngine):
             hits, fed_once = shared_prefix(model, prompts, hits, device)
             self.prefilled_tokens += fed_once
         kept = [0 if h is None else len(h.tokens) for h in hits]
-        input_ids, fed = self._left_padded(tok, [p[c:] for p, c in zip(prompts, kept)], device)
+        input_ids, fed = left_padded(tok, [p[c:] for p, c in zip(prompts, kept)], device)
         self.prefilled_tokens += int(sum(len(p) - c for p, c in zip(prompts, kept)))
         width = max(kept)
         if width == 0:
@@ -243,7 +243,7 @@ class HFEngine(RolloutEngine):
         """Keep what batch rows ``batch`` fed: row j's prompt ``prompts[owners[j]]`` and all but the newest of its
         sampled tokens, whose KV sits at the true columns of its row of ``columns`` (a boolean (len(batch), L)
         mask). Two gathers per layer for all the rows at once."""
-        if self.prefix is None or not batch:
+        if self.prefix is None or not batch or not self._extends:
             return
         fed = [prompts[owners[j]] + out.tokens[owners[j]][:-1] for j in batch]
         counts = columns.sum(-1).tolist()

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["SHARED_PREFIX_MIN", "Kept", "PrefixCache", "kept_past", "shared_prefix"]
+__all__ = ["SHARED_PREFIX_MIN", "Kept", "PrefixCache", "kept_past", "left_padded", "shared_prefix"]
 
 SHARED_PREFIX_MIN = 32
 """Prompt tokens all prompts of a call must share before they are prefilled once (see ``HFEngine.share_prefix``)."""
@@ -114,3 +114,15 @@ def common_length(prompts: list[list[int]]) -> int:
 def _stack_left(rows: list[Tensor]) -> Tensor:
     """(n, H, C, D) from n tensors (H, c_i, D), each right-aligned (left-padded with zeros) to C = max c_i."""
     return pad_sequence([r.transpose(0, 1) for r in rows], batch_first=True, padding_side="left").transpose(1, 2)
+
+
+def left_padded(tok, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(n, width) ids and attention mask, left-padded: every row's newest token sits in the last column."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention[i, width - len(p):] = 1
+    return input_ids.to(device), attention.to(device)

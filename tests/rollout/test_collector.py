@@ -76,6 +76,37 @@ def test_kept_prefixes_change_nothing_but_the_prefill(tiny):
     assert fed_kept < 0.6 * fed_whole
 
 
+@pytest.mark.parametrize("window", [None, 1, 2])
+def test_the_engine_keeps_only_what_the_next_turn_extends(tiny, window):
+    """The collector tells the engine whether the next turn's prompts extend this turn's (not on the last turn, nor
+    once a context window drops turns): the same batch and the same prompt tokens fed as an engine that keeps every
+    call's KV, and nothing kept that no later call reads."""
+    model, tok = tiny
+    config = RolloutConfig(max_turns=3, max_new_tokens=10, context_window=window)
+    specs = [EpisodeSpec(Sokoban(), seed=s // 2, group_id=s // 2) for s in range(6)]
+    runs = []
+    for hinted in (True, False):
+        engine = HFEngine(seed=4)
+        engine.bind(model, tok)
+        kept, generate = [], engine.generate
+
+        def counting(prompts, params, engine=engine, kept=kept, generate=generate):
+            gens = generate(prompts, params)
+            kept.append(len(engine.prefix))
+            return gens
+
+        engine.generate = counting
+        if not hinted:
+            engine.next_call_extends = lambda extends: None  # an engine that ignores the hint keeps everything
+        runs.append((Collector(engine, tok, config).collect(specs).batch, engine.prefilled_tokens, kept))
+    (hinted, fed, kept), (plain, fed_plain, kept_plain) = runs
+    assert torch.equal(hinted.input_ids, plain.input_ids) and torch.equal(hinted.loss_mask, plain.loss_mask)
+    assert fed == fed_plain  # nothing that a later turn read was dropped
+    extends = min(3, window or 3) - 1  # calls whose sequences the next call extends
+    assert len(kept) == 3 and all(k > 0 for k in kept_plain)
+    assert kept == kept_plain[:extends] + [0] * (3 - extends)
+
+
 def assert_exact_accounting(engine: Recording, result) -> None:
     """Every update row is exactly the prompts fed and the tokens sampled (never re-tokenised), and the loss mask
     is true on exactly the sampled tokens, turn by turn."""
