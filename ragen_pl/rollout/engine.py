@@ -12,8 +12,9 @@ engine, in order:
    policy's full weights (transformers names, LoRA merged) before the first rollout or evaluation, after every
    update, and after a checkpoint load, always before the next ``generate``. An engine that samples with the
    policy's own modules (``holds_weights = False``) never gets ``load_weights``.
-3. Each rollout or evaluation: ``wake_up()``, then one ``generate`` per turn, then ``end_rollout()`` (drop what was
-   kept between the turns) and ``sleep()`` (free memory for the update).
+3. Each rollout or evaluation: ``wake_up()``, then per turn ``next_call_extends(extends)`` (whether the next turn's
+   prompts extend this turn's: keep state for them or not) and one ``generate``, then ``end_rollout()`` (drop what
+   was kept between the turns) and ``sleep()`` (free memory for the update).
 4. ``state_dict()`` / ``load_state_dict()``: what a checkpoint keeps for a resumed run to sample the same (the
    sampling RNG); every rank's is kept.
 
