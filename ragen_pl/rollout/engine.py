@@ -97,7 +97,7 @@ class RolloutEngine(ABC):
         """Whether the prompts of the call after the next ``generate`` extend that call's prompts and answers, for
         that one call. The collector knows: not on a rollout's last turn, nor once a ``context_window`` drops turns
         from the prompt. An engine that keeps state between calls for them (the ``hf`` engine's KV prefixes) keeps
-        none when told False (a 512-episode evaluation in a window of 1 kept 7+ GB it never read)."""
+        none when told False (in a window of 1, no turn reads what the previous one fed)."""
 
     def sleep(self) -> None:  # noqa: B027 - optional hook
         """Free memory between rollouts, where the engine supports it."""

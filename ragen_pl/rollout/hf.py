@@ -164,10 +164,10 @@ class HFEngine(RolloutEngine):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    @torch.no_grad()
     def next_call_extends(self, extends: bool) -> None:
         self._extends = extends
 
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before bind(model, tokenizer)")

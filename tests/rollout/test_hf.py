@@ -21,6 +21,23 @@ def test_greedy_matches_model_generate_and_logprobs_match_forward(tiny):
         assert_logprobs_of_forward(model, prompt, gen)
 
 
+def test_sampling_builds_no_autograd_graph(tiny):
+    """Every forward of a generate call runs without autograd, whatever the hints before it (the policy's weights
+    require grad: a graph kept over a rollout would hold every activation)."""
+    model, tok = tiny
+    engine = HFEngine()
+    engine.bind(model, tok)
+    modes = []
+    hook = model.register_forward_pre_hook(lambda m, args: modes.append(torch.is_grad_enabled()))
+    try:
+        for extends in (True, False):
+            engine.next_call_extends(extends)
+            engine.generate([tok("Turn 1:\nState:\n#_#")["input_ids"]], SamplingParams(max_new_tokens=4, stop=[]))
+    finally:
+        hook.remove()
+    assert modes and not any(modes) and any(p.requires_grad for p in model.parameters())
+
+
 def test_identical_prompts_are_prefilled_once(tiny):
     """A group's first turn repeats one prompt: one prefill row per distinct prompt, the same answers."""
     model, tok = tiny
