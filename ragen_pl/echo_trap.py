@@ -179,7 +179,8 @@ class EchoTrapAlarm(Callback):
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed one step's metrics; return the signals of the env that is collapsing now (empty if none)."""
         batch: dict[str, float] = {}
-        per_env = any(k.startswith("rollout/") and k.endswith("/token_entropy") and k.count("/") == 2 for k in metrics)
+        per_env = any(k.endswith("/entropy") for k in self.history) or any(  # once seen, for the rest of the run
+            k.startswith("rollout/") and k.endswith("/token_entropy") and k.count("/") == 2 for k in metrics)
         if not per_env and self._below("entropy", metrics.get("loss/entropy"), self.entropy_ratio):
             batch["entropy"] = metrics["loss/entropy"]
         if self._above("grad", metrics.get("actor/grad_norm"), self.spike_ratio):

@@ -216,7 +216,8 @@ class RagenModule(pl.LightningModule):
         metrics.update(self.update(batch))
         t2 = time.perf_counter()
         if fresh:
-            metrics.update(entropy_metrics(batch))
+            several = len(getattr(self.trainer.datamodule, "envs", ())) > 1  # as the rollout's per-env metrics
+            metrics.update(entropy_metrics(batch, by_tag=True if several else None))
             metrics.update(mismatch_metrics(batch))
         metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
         metrics["time/iteration"] = torch.tensor(time.perf_counter() - start)  # rollout, filter, prepare, update

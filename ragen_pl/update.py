@@ -300,18 +300,19 @@ def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor
 
 
 # ------------------------------------------------------------------------------------------ diagnostics
-def entropy_metrics(batch: TrajectoryBatch) -> dict[str, Tensor]:
+def entropy_metrics(batch: TrajectoryBatch, by_tag: bool | None = None) -> dict[str, Tensor]:
     """Sampled-token negative log-likelihood under the sampling policy: a Monte-Carlo estimate of its entropy, per
     token and summed over each trajectory (the paper's trajectory entropy); per token for each env too
-    (``rollout/<tag>/token_entropy``) when the batch holds several, so that one env's narrowing is not averaged
-    away by another's."""
+    (``rollout/<tag>/token_entropy``), so that one env's narrowing is not averaged away by another's: when the
+    batch holds several envs (``by_tag=None``), for every env it holds (``True``: a run of several envs, whose
+    filtered batch may hold one) or never (``False``)."""
     assert batch.old_logprobs is not None
     nll = torch.where(batch.loss_mask, -batch.old_logprobs, 0.0)
     real = batch.loss_mask.any(-1)
     out = {"rollout/token_entropy": nll.sum() / batch.loss_mask.sum().clamp(min=1),
            "rollout/trajectory_entropy": nll.sum(-1)[real].mean() if bool(real.any()) else nll.new_zeros(())}
     tags = sorted(set(batch.env_tags))
-    for tag in tags if len(tags) > 1 else ():
+    for tag in tags if (len(tags) > 1 if by_tag is None else by_tag) else ():
         rows = torch.tensor([t == tag for t in batch.env_tags], device=nll.device)
         if bool(batch.loss_mask[rows].any()):
             out[f"rollout/{tag}/token_entropy"] = nll[rows].sum() / batch.loss_mask[rows].sum()

@@ -113,6 +113,10 @@ def test_entropy_is_read_per_env_where_the_run_logs_it():
     assert held[15] == {"Bandit": {"entropy"}, "FrozenLake": set()}  # before success fell: a lead
     assert held[20] == {"Bandit": {"entropy", "success_drop"}, "FrozenLake": set()}
     assert held[25] == {"Bandit": {"success_drop"}, "FrozenLake": set()}  # the window has caught up with it
+    # Steps whose filtered batches held no per-env entropy: the run's batch-wide entropy is still not read.
+    for value in (1.0, 1.0, 1.0, 0.01):
+        alarm.observe({k: v for k, v in metrics[-1].items() if not k.endswith("token_entropy")} | {"loss/entropy": value})
+    assert all("entropy" not in signals for signals in alarm.held.values())
 
 
 def test_one_env_collapsing_while_another_improves():

@@ -133,8 +133,10 @@ def test_entropy_metrics_hand_derived_per_env():
     assert m["rollout/trajectory_entropy"] == pytest.approx((6 + 10 + 2) / 3)
     assert m["rollout/a/token_entropy"] == pytest.approx((1 + 2 + 3 + 2) / 4)
     assert m["rollout/b/token_entropy"] == pytest.approx((4 + 6) / 2)
-    batch.env_tags = ("a", "a", "a")  # one env: the batch-wide figure says it all
+    batch.env_tags = ("a", "a", "a")  # one env: the batch-wide figure says it all ...
     assert not any(k.count("/") == 2 for k in entropy_metrics(batch))
+    # ... unless the run has several (its filter kept one env's groups): then that env's own figure too
+    assert float(entropy_metrics(batch, by_tag=True)["rollout/a/token_entropy"]) == pytest.approx(18 / 6)
 
 
 def test_off_policy_correction_hand_derived():
