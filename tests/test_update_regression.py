@@ -78,7 +78,7 @@ def run_case(model_path, case: dict) -> dict:
     batch.temperature = temperature
     metrics = dict(module.updater.prepare(batch, module.models))
     metrics.update(module.updater.step(batch, module.models, optimizers))
-    metrics.update(entropy_metrics(batch))
+    metrics.update(entropy_metrics(batch, by_tag=False))  # as recorded: the batch-wide figures
     grads = {n: float(p.grad.norm()) for n, p in module.named_parameters() if p.grad is not None}
     return {"metrics": {k: float(v) for k, v in sorted(metrics.items())},
             "grad_norms": dict(sorted(grads.items())),
