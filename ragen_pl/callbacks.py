@@ -1,5 +1,5 @@
 """Callbacks: weight sync to the rollout engine, step-0 evaluation, trajectory samples, the training budget (the Echo
-Trap alarm lives in ragen_pl.echo_trap).
+Trap alarm lives in ragen_pl.echo_trap; ``ragen_pl.callbacks.EchoTrapAlarm`` stays valid in configs).
 
 Syncing weights is a Callback, not part of ``training_step``: the update knows nothing of engines.
 """
@@ -17,9 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ragen_pl.dist import mean_over_ranks
-from ragen_pl.echo_trap import (
-    EchoTrapAlarm,  # its home; `ragen_pl.callbacks.EchoTrapAlarm` stays valid in configs
-)
+from ragen_pl.echo_trap import EchoTrapAlarm
 
 
 def _datamodule(trainer: pl.Trainer):

@@ -1,6 +1,6 @@
-"""The Echo Trap alarm (paper, section on collapse): per env, a significant fall of training success with the signals
-that narrowing behaviour leaves (repetition, entropy, I(X;Z), gradient spikes), and an early warning on those signals
-alone. ``benchmarks/echo_trap.py`` judges both on recorded runs and on simulated runs with no learning."""
+"""The Echo Trap alarm (paper, section on collapse): per env, a significant fall of training success, named with the
+signals that narrowing behaviour leaves (repetition, entropy, I(X;Z), gradient spikes). ``benchmarks/echo_trap.py``
+judges it on recorded runs and on simulated runs with no learning, and whether those signals move first."""
 
 from __future__ import annotations
 
@@ -178,15 +178,16 @@ class EchoTrapAlarm(Callback):
 
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed one step's metrics; return the signals of the env that is collapsing now (empty if none)."""
+        tags = sorted({k.split("/")[1] for k in metrics if k.startswith("rollout/") and k.count("/") == 2
+                       and k.endswith("/success")}) or [""]
+        # Each env's own entropy where the run logs it; once seen, for the rest of the run.
+        per_env = any(k.endswith("/entropy") for k in self.history) or any(
+            f"rollout/{tag}/token_entropy" in metrics for tag in tags if tag)
         batch: dict[str, float] = {}
-        per_env = any(k.endswith("/entropy") for k in self.history) or any(  # once seen, for the rest of the run
-            k.startswith("rollout/") and k.endswith("/token_entropy") and k.count("/") == 2 for k in metrics)
         if not per_env and self._below("entropy", metrics.get("loss/entropy"), self.entropy_ratio):
             batch["entropy"] = metrics["loss/entropy"]
         if self._above("grad", metrics.get("actor/grad_norm"), self.spike_ratio):
             batch["grad_spike"] = metrics["actor/grad_norm"]
-        tags = sorted({k.split("/")[1] for k in metrics if k.startswith("rollout/") and k.count("/") == 2
-                       and k.endswith("/success")}) or [""]
         worst: dict[str, float] = {}
         self.last_tag = None
         for tag in tags:
