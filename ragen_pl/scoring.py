@@ -18,12 +18,17 @@ Packed rows (``PPOConfig.pack``): a micro-batch's rows, without their padding, r
 restart at every row; transformers then keeps the rows apart (a block-diagonal causal mask; variable-length kernels
 under flash attention), so no position is spent on padding. :func:`check_packing` refuses, once per model, a model
 that lets packed rows see each other.
+
+A frozen trunk (only the LM head trains: ``--model.lora.target_modules=[lm_head]``, a readout): the trunk's output does
+not change while the head learns, so ``score(..., keep_head_inputs=True)`` also returns what the head read at the
+scored positions, and a later ``score(..., head_inputs=...)`` runs only the head on them (:func:`trunk_is_frozen`;
+:class:`ragen_pl.update.StarPOUpdate` scores once and its update steps reuse them).
 """
 
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +40,7 @@ from ragen_pl.errors import ConfigError
 
 __all__ = ["SCORED_ROWS", "Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed",
            "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score",
-           "scored_logits", "shared_prefix_length", "shift_values", "token_stats", "unpack_rows"]
+           "scored_logits", "shared_prefix_length", "shift_values", "token_stats", "trunk_is_frozen", "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
@@ -133,12 +138,14 @@ def check_packing(model: nn.Module) -> None:
     second = (torch.arange(8, device=device) * 7 + 3) % vocab
     was_training = model.training
     model.eval()
+    token = SCORED_ROWS.set(None)  # nothing of this check is scored (it may run inside a scoring forward)
     try:
         alone = model(input_ids=second[None], output_hidden_states=True, use_cache=False).hidden_states[-1][0]
         packed = model(input_ids=torch.cat([first, second])[None], use_cache=False, output_hidden_states=True,
                        position_ids=torch.arange(8, device=device).repeat(2)[None], attention_mask=None
                        ).hidden_states[-1][0, 8:]
     finally:
+        SCORED_ROWS.reset(token)
         model.train(was_training)
     error = float((packed.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-6))
     if not error < 0.1:
@@ -277,6 +284,8 @@ class Scores:
     """Positions the model's trunk ran over (padding included; a shared prefix once): its FLOPs' token count."""
     scored: int = 0
     """Tokens that went through the LM head."""
+    head_inputs: Tensor | None = None
+    """(N, H) what the LM head read at the N scored positions (in the order ``mask[:, 1:]`` lists them), when asked."""
 
 
 def _spread(target: Tensor, values: Tensor) -> Tensor:
@@ -285,19 +294,73 @@ def _spread(target: Tensor, values: Tensor) -> Tensor:
     return torch.cat([pad, torch.zeros_like(target, dtype=values.dtype).masked_scatter(target, values)], 1)
 
 
+def trunk_is_frozen(model: nn.Module) -> bool:
+    """Whether every trainable parameter of ``model`` is in its LM head (its output embeddings, with any adapter on
+    them), so that what the head reads at the scored positions stays the same while the head learns: a transformers
+    causal LM with no part sharded (a sharded head's weights exist only inside its unit's forward), no dropout before
+    the head (a new mask every forward)."""
+    from ragen_pl.dist import is_sharded
+
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module) or any(is_sharded(m) for m in model.modules()):
+        return False
+    in_head = {id(q) for q in head.parameters()}
+    if any(q.requires_grad and id(q) not in in_head for q in model.parameters()):
+        return False
+    config = getattr(model, "config", None)
+    head_modules = {id(m) for m in head.modules()}
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 and id(m) not in head_modules for m in model.modules())
+    return not dropout and not float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+
+
+@contextmanager
+def _head_reads(head: nn.Module, into: list[Tensor]):
+    """Within: each call of ``head`` under a scored-rows mask appends the (N, H) inputs of its scored rows to ``into``
+    (a shared prefix's forward scores nothing and adds none)."""
+    def hook(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        rows = SCORED_ROWS.get()
+        if rows is not None:
+            into.append(args[0][rows].detach())
+
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float = 1.0,
           entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None,
-          pack: bool = False) -> Scores:
+          pack: bool = False, keep_head_inputs: bool = False, head_inputs: Tensor | None = None) -> Scores:
     """Log-probs of ``ids`` at the positions of ``mask`` under ``model`` at ``temperature``; optionally the entropy
     there and the last hidden states (zeros on a shared prefix, where nothing is scored, and on padding). With
     ``kept`` (B, T, K), each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p
     sampling). ``pack`` runs the rows packed, without padding (it takes precedence over ``share_prefix``). No
-    (B, T, V) tensor is built."""
-    kwargs = {"output_hidden_states": hidden} if hidden else {}
-    prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
-    out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, **kwargs)
-    logits = logits / temperature  # (N, V)
+    (B, T, V) tensor is built.
+
+    ``keep_head_inputs``: also return what the LM head read at the scored positions (``Scores.head_inputs``).
+    ``head_inputs``: those, from an earlier call on a model whose trunk has not changed since
+    (:func:`trunk_is_frozen`): only the head runs.
+    """
     target = mask[:, 1:]
+    if head_inputs is not None:
+        if hidden or keep_head_inputs:
+            raise ValueError("`head_inputs` runs only the LM head: no hidden states to return")
+        labels = ids[:, 1:][target]
+        if head_inputs.shape[0] != labels.numel():
+            raise ValueError(f"`head_inputs` holds {head_inputs.shape[0]} positions, the mask scores {labels.numel()}")
+        with _scoring(torch.ones(1, labels.numel(), dtype=torch.bool, device=ids.device)):
+            logits = model.get_output_embeddings()(head_inputs[None])[0]
+        out, positions = None, 0
+    else:
+        kwargs = {"output_hidden_states": hidden} if hidden else {}
+        prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
+        reads: list[Tensor] = []
+        with _head_reads(model.get_output_embeddings(), reads) if keep_head_inputs else nullcontext():
+            out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, **kwargs)
+        positions = int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix
+    logits = logits / temperature  # (N, V)
     if kept is not None:
         logits = restrict_to_kept(logits, kept[:, 1:][target])
     states = None
@@ -310,5 +373,5 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
                                 states], 1)
     lp, ent = token_stats(logits, labels, entropy=entropy)
     return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None, hidden=states,
-                  positions=int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix,
-                  scored=int(labels.numel()))
+                  positions=positions, scored=int(labels.numel()),
+                  head_inputs=torch.cat(reads) if keep_head_inputs else None)

@@ -14,6 +14,7 @@ advantages) -> :meth:`StarPOUpdate.step` (mini-batches, micro-batches, clipping,
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,11 +27,16 @@ from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_lo
 from ragen_pl.ops import masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
 from ragen_pl.rewards import RewardNorm
-from ragen_pl.scoring import score
+from ragen_pl.scoring import Scores, score, trunk_is_frozen
 from ragen_pl.types import TrajectoryBatch
 
 __all__ = ["MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
            "mismatch_metrics", "off_policy_correction"]
+
+HEAD_REUSE_TOLERANCE = 0.05
+"""The largest log-prob gap (nats) between the head run alone on what it read and the model's forward for which
+:meth:`StarPOUpdate.reuses_head_inputs` keeps the head's inputs (bf16 rounding of a differently shaped matmul stays
+far below it; a transform after the head does not)."""
 
 
 class MicroLoss(NamedTuple):
@@ -62,6 +68,10 @@ class StarPOUpdate:
         """Trunk positions the policy's forwards ran over in the current ``step`` (for FLOP counts)."""
         self.scored = 0
         """Tokens through the policy's LM head in the current ``step``."""
+        self._head_inputs: tuple[TrajectoryBatch, Tensor] | None = None
+        """The batch ``prepare`` scored and, (B, K, H), what the LM head read at each row's K scored positions
+        (:meth:`reuses_head_inputs`)."""
+        self._head_checked: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------------------- scoring
     def scores_old_policy_in_update(self, models: Models, n: int) -> bool:
@@ -76,6 +86,25 @@ class StarPOUpdate:
         return (p.ppo_epochs == 1 and p.mini_batch_size >= n and models.value_head is None
                 and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
 
+    def reuses_head_inputs(self, models: Models) -> bool:
+        """Whether the update's steps run only the LM head, on what it read when ``prepare`` scored the rollout: only
+        the head trains (:func:`~ragen_pl.scoring.trunk_is_frozen`: a readout, ``--model.lora.target_modules=
+        [lm_head]``), so the trunk's output is the same in every step, and no value head reads the trunk. Each
+        micro-batch then costs a head's forward and backward instead of the whole model's; the log-probs are the
+        same (checked on the first micro-batch a model scores: else it keeps the full forward)."""
+        return (models.value_head is None and trunk_is_frozen(models.policy)
+                and self._head_checked.get(models.policy, True))
+
+    def _head_reproduces(self, model: torch.nn.Module, s: Scores, ids: Tensor, attn: Tensor, mask: Tensor,
+                         temperature: float, kept: Tensor | None) -> bool:
+        """Once per model: whether the head alone, on what it read, gives the forward's log-probs (not for a model
+        that transforms the logits after its head, as Gemma's soft-capping does)."""
+        if model not in self._head_checked:
+            again = score(model, ids, attn, mask, temperature, kept=kept, head_inputs=s.head_inputs)
+            gap = (again.logprobs - s.logprobs).abs().max() if bool(mask.any()) else torch.zeros(())
+            self._head_checked[model] = bool(gap < HEAD_REUSE_TOLERANCE)
+        return self._head_checked[model]
+
     def _reference_logprobs(self, models: Models, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float
                             ) -> Tensor:
         layout = {"share_prefix": self.ppo.share_prefix, "pack": self.ppo.pack}
@@ -88,9 +117,13 @@ class StarPOUpdate:
     def prepare(self, batch: TrajectoryBatch, models: Models) -> dict[str, Tensor]:
         """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place.
 
-        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds.
+        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds, unless the steps
+        reuse the head's inputs (:meth:`reuses_head_inputs`), which this forward keeps.
         """
-        score_policy = not self.scores_old_policy_in_update(models, len(batch))
+        reuse = self.reuses_head_inputs(models)
+        score_policy = reuse or not self.scores_old_policy_in_update(models, len(batch))
+        self._head_inputs = None
+        reads: list[tuple[Tensor, Tensor]] = []  # (rows, (N, H) what the head read at their scored positions)
         filled: dict[str, Tensor] = {}
 
         def fill(name: str, rows: Tensor, x: Tensor) -> None:  # x: (len(rows), T') with T' <= T
@@ -104,9 +137,13 @@ class StarPOUpdate:
             T = int(part.attention_mask.sum(-1).max())
             ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
             if score_policy:
+                kept = self._kept(part, T)
                 s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
-                          share_prefix=self.ppo.share_prefix, kept=self._kept(part, T), pack=self.ppo.pack)
+                          share_prefix=self.ppo.share_prefix, kept=kept, pack=self.ppo.pack, keep_head_inputs=reuse)
                 fill("old_logprobs", idx, s.logprobs)
+                reuse = reuse and self._head_reproduces(models.policy, s, ids, attn, mask, batch.temperature, kept)
+                if reuse:
+                    reads.append((idx, s.head_inputs))
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
             if models.critic is not None:
@@ -115,6 +152,8 @@ class StarPOUpdate:
                 fill("ref_logprobs", idx, self._reference_logprobs(models, ids, attn, mask, batch.temperature))
         for name, x in filled.items():
             setattr(batch, name, x)
+        if reuse and reads:
+            self._head_inputs = (batch, _by_row(batch.loss_mask, reads))
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
             self._normalise_rewards(batch)
@@ -158,14 +197,19 @@ class StarPOUpdate:
             return mask.sum().clamp(min=1)
         return mask.any(-1).sum().clamp(min=1)
 
-    def micro_loss(self, part: TrajectoryBatch, models: Models, mini_count: Tensor) -> MicroLoss:
-        """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch."""
+    def micro_loss(self, part: TrajectoryBatch, models: Models, mini_count: Tensor,
+                   head_inputs: Tensor | None = None) -> MicroLoss:
+        """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch.
+        ``head_inputs`` (n, K, H): what the LM head read at each row's scored positions (:meth:`reuses_head_inputs`);
+        only the head runs."""
         p = self.ppo
         T = int(part.attention_mask.sum(-1).max())
         ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
         scale = self.loss_denominator(mask) / mini_count
+        if head_inputs is not None:
+            head_inputs = head_inputs[_scored_slots(mask, head_inputs.shape[1])]
         s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
-                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack)
+                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs)
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
         advantages, off_metrics = off_policy_correction(
@@ -211,6 +255,7 @@ class StarPOUpdate:
         n = len(batch)
         steps = 0
         scored: list[tuple[Tensor, Tensor]] = []  # (rows, old log-probs) when the update scores the old policy
+        reads = self._head_inputs[1] if self._head_inputs is not None and self._head_inputs[0] is batch else None
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle).to(batch.input_ids.device)
             for start in range(0, n, p.mini_batch_size):
@@ -219,7 +264,8 @@ class StarPOUpdate:
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
                 for micro in micro_batches(idx, batch.attention_mask, p.micro_batch_size):
-                    loss = self.micro_loss(batch.select(micro), models, mini_count)
+                    reused = {} if reads is None else {"head_inputs": reads[micro]}
+                    loss = self.micro_loss(batch.select(micro), models, mini_count, **reused)
                     backward(loss.actor if loss.critic is None else loss.actor + loss.critic)
                     if batch.old_logprobs is None:
                         scored.append((micro, loss.old_logprobs))
@@ -352,6 +398,25 @@ def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tenso
     """
     lengths = attention_mask[rows].sum(-1)  # (len(rows),)
     return list(rows[torch.argsort(lengths, descending=True, stable=True)].split(size))
+
+
+def _scored_slots(mask: Tensor, K: int) -> Tensor:
+    """(B, K) bool: the first ``mask[:, 1:].sum(-1)`` of each row's K slots (its scored positions, in order)."""
+    counts = mask[:, 1:].sum(-1)
+    return torch.arange(K, device=mask.device) < counts[:, None]
+
+
+def _by_row(loss_mask: Tensor, reads: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """(B, K, H) each row's (N, H) head inputs of ``reads`` (rows, inputs) in its first slots (K: the most any row
+    scores), zeros after."""
+    K = int(loss_mask[:, 1:].sum(-1).max())
+    H = reads[0][1].shape[-1]
+    out = reads[0][1].new_zeros(loss_mask.shape[0], K, H)
+    for rows, x in reads:
+        part = out[rows]
+        part[_scored_slots(loss_mask[rows], K)] = x
+        out[rows] = part
+    return out
 
 
 def _last_true(mask: Tensor) -> Tensor:

@@ -248,3 +248,88 @@ def test_sampling_mask_replay_scores_each_token_over_its_samplers_set(tiny, samp
             b, Models(model, critic=critic))
         results[replay] = float(mismatch_metrics(b)["mismatch/logprob_abs_diff_max"])
     assert results[True] < 1e-4 < 0.01 < results[False]
+
+
+def _sokoban_batch(model, tok, n: int = 6) -> TrajectoryBatch:
+    """A tiny model's two-turn Sokoban rollout, groups of two, with rewards that differ within groups."""
+    from ragen_pl.envs.sokoban import Sokoban
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
+    from ragen_pl.rollout.hf import HFEngine
+
+    engine = HFEngine(seed=0)
+    engine.bind(model, tok)
+    specs = [EpisodeSpec(Sokoban(), seed=s // 2, group_id=s // 2) for s in range(n)]
+    batch = Collector(engine, tok, RolloutConfig(max_turns=2, max_new_tokens=6)).collect(specs).batch
+    last = torch.where(batch.loss_mask, torch.arange(batch.loss_mask.shape[1]), -1).max(-1).values
+    batch.rewards = torch.zeros_like(batch.rewards)
+    batch.rewards[torch.arange(len(batch)), last] = torch.arange(len(batch), dtype=torch.float32) % 3
+    return batch
+
+
+@pytest.mark.parametrize("layout", [{}, {"share_prefix": False}, {"share_prefix": False, "pack": True}])
+def test_a_head_only_update_runs_only_the_head_and_trains_the_same_weights(tiny, layout, monkeypatch):
+    """Only the LM head trains (a centred, whitened LoRA readout): ``prepare`` keeps what the head read, the steps run
+    only the head (no trunk position in the update), and the weights, losses and old log-probs are those of the
+    update that runs the whole model in every micro-batch."""
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import add_lora
+
+    base, tok = tiny
+    batch = _sokoban_batch(base, tok)
+
+    def train(reuse: bool):
+        torch.manual_seed(0)
+        policy = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2,
+                                                            whiten_head=True), tok).train()
+        update = StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, **layout))
+        if not reuse:
+            monkeypatch.setattr(update, "reuses_head_inputs", lambda models: False)
+        models = Models(policy, lora=True)
+        assert update.reuses_head_inputs(models) == reuse
+        b = copy.copy(batch)
+        update.prepare(b, models)
+        opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+        metrics = update.step(b, models, [opt])
+        return {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}, metrics, b
+
+    reused, m_reused, b_reused = train(True)
+    full, m_full, b_full = train(False)
+    assert float(m_reused["throughput/update_positions"]) == 0 < float(m_full["throughput/update_positions"])
+    assert float(m_reused["throughput/update_scored_tokens"]) == float(m_full["throughput/update_scored_tokens"]) > 0
+    assert float(m_reused["train/optimizer_steps"]) == float(m_full["train/optimizer_steps"]) >= 4
+    torch.testing.assert_close(b_reused.old_logprobs, b_full.old_logprobs)
+    for name in ("loss/policy", "loss/entropy", "actor/grad_norm"):
+        torch.testing.assert_close(m_reused[name], m_full[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert any(float(p.abs().max()) > 0 for p in reused.values())  # it trained
+    for name, p in reused.items():
+        torch.testing.assert_close(p, full[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_head_is_run_alone_only_where_the_trunk_is_frozen_and_nothing_follows_the_head(tiny):
+    """LoRA on a layer, or full weights: the trunk trains, so the update runs the whole model. A model that changes
+    its logits after the head (as Gemma's soft-capping does): the head alone does not reproduce the forward, which
+    the first micro-batch shows, and the update keeps the whole model."""
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import add_lora
+    from ragen_pl.scoring import trunk_is_frozen
+
+    base, tok = tiny
+    layer = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj"]), tok)
+    assert not trunk_is_frozen(layer) and not trunk_is_frozen(copy.deepcopy(base))
+    assert not trunk_is_frozen(TwoLayer())  # no output embeddings to run alone
+    head = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head"]), tok)
+    assert trunk_is_frozen(head)
+
+    def halve(module, args, out):
+        out.logits = out.logits / 2
+        return out
+
+    head.get_base_model().register_forward_hook(halve)
+    update = StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=4, micro_batch_size=2))
+    models = Models(head, lora=True)
+    batch = _sokoban_batch(base, tok)
+    assert update.reuses_head_inputs(models)
+    update.prepare(batch, models)
+    assert not update.reuses_head_inputs(models)
+    metrics = update.step(batch, models, [torch.optim.Adam([p for p in head.parameters() if p.requires_grad])])
+    assert float(metrics["throughput/update_positions"]) > 0
