@@ -120,10 +120,10 @@ def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> Replay:
 Row = tuple[str, str, "int | None", "int | None", "int | None", str]
 
 
-def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm) -> list[Row]:
+def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm, replayed: Replay | None = None) -> list[Row]:
     """(run, env, halving step, halving step of a collapse that lasts to the end, alarm step, other signals seen by
-    then) per env of the run."""
-    fired, seen, _ = replay(run, make())
+    then) per env of the run (``replayed``: its replay, if already made)."""
+    fired, seen, _ = replayed if replayed is not None else replay(run, make())
     rows = []
     for tag, successes in env_successes(run):
         rows.append((name, tag, halving(successes), halving(successes, to_end=True), fired.get(tag),
@@ -173,11 +173,13 @@ class EnvRun(NamedTuple):
     held: dict[str, list[int]]  # co-signal -> the steps it held at
 
 
-def lead_table(title: str, runs: list[list[dict[str, float]]]) -> None:
+def lead_table(title: str, runs: list[list[dict[str, float]]], replays: list[Replay] | None = None) -> None:
     """Could a signal not tied to success warn first? Per co-signal: the collapses it held within ``HORIZON`` steps
-    up to the halving (and how many steps before it first did), and how often it held where nothing collapsed."""
-    envs = [EnvRun(halving(successes), halving(successes, to_end=True), len(run), held.get(tag, {}))
-            for run in runs for held in [replay(run, EchoTrapAlarm()).held] for tag, successes in env_successes(run)]
+    up to the halving (and how many steps before it first did), and how often it held where nothing collapsed
+    (``replays``: the runs' replays, if already made)."""
+    replays = replays if replays is not None else [replay(run, EchoTrapAlarm()) for run in runs]
+    envs = [EnvRun(halving(successes), halving(successes, to_end=True), len(run), done.held.get(tag, {}))
+            for run, done in zip(runs, replays) for tag, successes in env_successes(run)]
 
     def warned(truth: str, signal: str) -> str:
         halvings = [(h, [t for t in env.held.get(signal, []) if h - HORIZON <= t <= h])
@@ -252,14 +254,12 @@ def main() -> None:
                      f"runs/<name>/version_0/metrics.csv)")
 
     tuning_runs = {p.stem: load(p) for p in sorted(DATA.glob("*_seed*.csv"))}
-    tuning = [judge(name, run) for name, run in tuning_runs.items()]
-    print_table("Tuning runs (the defaults were chosen on these)", [r for rows in tuning for r in rows])
     held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
     held_runs = {p.stem if p.name != "metrics.csv" else str(p.parent): load(p) for p in held}
-    heldout = [judge(name, run) for name, run in held_runs.items()]
-    print_table("Held-out runs", [r for rows in heldout for r in rows])
-    lead_table("Tuning runs", list(tuning_runs.values()))
-    lead_table("Held-out runs", list(held_runs.values()))
+    for title, runs in (("Tuning runs (the defaults were chosen on these)", tuning_runs), ("Held-out runs", held_runs)):
+        replays = [replay(run, EchoTrapAlarm()) for run in runs.values()]
+        print_table(title, [r for (name, run), done in zip(runs.items(), replays) for r in judge(name, run, replayed=done)])
+        lead_table(title.split(" (")[0], list(runs.values()), replays)
 
     if not args.simulated:
         return

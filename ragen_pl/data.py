@@ -148,6 +148,13 @@ class RolloutDataModule(pl.LightningDataModule):
         return trainer.global_rank, trainer.world_size
 
     @override
+    @property
+    def by_tag(self) -> bool | None:
+        """How a step's metrics split by env: for every env, whenever the run has several (a rank, or a filtered batch,
+        may hold only some, and its metrics must still say which: see ragen_pl.metrics.mean_over_ranks); else None
+        (per env only where a batch holds several tags)."""
+        return True if len(self.envs) > 1 else None
+
     def setup(self, stage: str) -> None:
         rank, world = self.world
         if self.n_groups % world:
@@ -179,9 +186,7 @@ class RolloutDataModule(pl.LightningDataModule):
                  for g in range(first_group, first_group + local) for _ in range(self.group_size)]
         result = self._collect(specs)
         self.iteration += 1
-        # Per env whenever the run has several: a rank may play only some of them, and its metrics must still say
-        # which (see ragen_pl.metrics.mean_over_ranks).
-        metrics = rollout_metrics(result.episodes, by_tag=True if len(self.envs) > 1 else None)
+        metrics = rollout_metrics(result.episodes, by_tag=self.by_tag)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
         batch = result.batch

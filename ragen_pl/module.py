@@ -216,8 +216,7 @@ class RagenModule(pl.LightningModule):
         metrics.update(self.update(batch))
         t2 = time.perf_counter()
         if fresh:
-            several = len(getattr(self.trainer.datamodule, "envs", ())) > 1  # as the rollout's per-env metrics
-            metrics.update(entropy_metrics(batch, by_tag=True if several else None))
+            metrics.update(entropy_metrics(batch, by_tag=getattr(self.trainer.datamodule, "by_tag", None)))
             metrics.update(mismatch_metrics(batch))
         metrics["time/prepare"], metrics["time/update"] = torch.tensor(t1 - t0), torch.tensor(t2 - t1)
         metrics["time/iteration"] = torch.tensor(time.perf_counter() - start)  # rollout, filter, prepare, update

@@ -604,3 +604,20 @@ def test_cosine_schedule_sets_each_iterations_rate(tiny_model_path):
         trainer(-1, max_epochs=1).fit(RagenModule(str(tiny_model_path), advantage=GRPO(), optim=optim), dm)
     with pytest.raises(ValueError, match=r"`--model.optim.schedule` must be one of constant, cosine, got 'linear'"):
         OptimConfig(schedule="linear")
+
+
+def test_a_run_of_two_envs_logs_token_entropy_for_the_env_its_filtered_batch_holds(tiny_model_path):
+    """Two envs, and a filter that keeps one of the two groups: the kept batch holds one env, whose token entropy is
+    still logged under its own name (the Echo Trap alarm reads it per env), as the rollout's metrics are."""
+    from ragen_pl.filters import VarianceTopP
+
+    module, dm = make(tiny_model_path, env=[Bandit(), Sokoban()])
+    dm.filter = VarianceTopP(top_p=0.5)
+    assert dm.by_tag is True and make(tiny_model_path)[1].by_tag is None
+    t = trainer(1)
+    t.fit(module, dm)
+    m = t.callback_metrics
+    assert float(m["filter/kept_frac"]) == 0.5
+    per_env = [k for k in m if k.endswith("/token_entropy") and k != "rollout/token_entropy"]
+    assert len(per_env) == 1 and per_env[0] in ("rollout/Bandit/token_entropy", "rollout/Sokoban/token_entropy")
+    assert float(m[per_env[0]]) == pytest.approx(float(m["rollout/token_entropy"]))
