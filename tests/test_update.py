@@ -250,7 +250,7 @@ def test_sampling_mask_replay_scores_each_token_over_its_samplers_set(tiny, samp
     assert results[True] < 1e-4 < 0.01 < results[False]
 
 
-def _sokoban_batch(model, tok, n: int = 6) -> TrajectoryBatch:
+def _sokoban_batch(model, tok, n: int = 6, **sampling) -> TrajectoryBatch:
     """A tiny model's two-turn Sokoban rollout, groups of two, with rewards that differ within groups."""
     from ragen_pl.envs.sokoban import Sokoban
     from ragen_pl.rollout.collector import Collector, EpisodeSpec
@@ -259,23 +259,28 @@ def _sokoban_batch(model, tok, n: int = 6) -> TrajectoryBatch:
     engine = HFEngine(seed=0)
     engine.bind(model, tok)
     specs = [EpisodeSpec(Sokoban(), seed=s // 2, group_id=s // 2) for s in range(n)]
-    batch = Collector(engine, tok, RolloutConfig(max_turns=2, max_new_tokens=6)).collect(specs).batch
+    batch = Collector(engine, tok, RolloutConfig(max_turns=2, max_new_tokens=6, **sampling)).collect(specs).batch
     last = torch.where(batch.loss_mask, torch.arange(batch.loss_mask.shape[1]), -1).max(-1).values
     batch.rewards = torch.zeros_like(batch.rewards)
     batch.rewards[torch.arange(len(batch)), last] = torch.arange(len(batch), dtype=torch.float32) % 3
     return batch
 
 
-@pytest.mark.parametrize("layout", [{}, {"share_prefix": False}, {"share_prefix": False, "pack": True}])
+@pytest.mark.parametrize("layout", [{}, {"share_prefix": False}, {"share_prefix": False, "pack": True}, {"top_k": 8}],
+                         ids=["shared prefix", "padded", "packed", "top-k replayed"])
 def test_a_head_only_update_runs_only_the_head_and_trains_the_same_weights(tiny, layout, monkeypatch):
     """Only the LM head trains (a centred, whitened LoRA readout): ``prepare`` keeps what the head read, the steps run
     only the head (no trunk position in the update), and the weights, losses and old log-probs are those of the
-    update that runs the whole model in every micro-batch."""
+    update that runs the whole model in every micro-batch (with top-k sampling, both score over the sampler's kept
+    sets)."""
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import add_lora
 
     base, tok = tiny
-    batch = _sokoban_batch(base, tok)
+    layout = dict(layout)
+    top_k = layout.pop("top_k", None)
+    batch = _sokoban_batch(base, tok, **({"top_k": top_k} if top_k else {}))
+    assert (batch.sampling_masks is not None) == (top_k is not None)
 
     def train(reuse: bool):
         torch.manual_seed(0)
