@@ -33,6 +33,8 @@ def test_config_runs_one_step(config, tiny_model_path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # LoRA on SmolLM2's last 10 of 30 layers: the tiny model has 2.
     fit = ["--model.lora.last_layers=1"] if "last_layers" in config.read_text() else []
+    if "head_tokens" in config.read_text():  # the tiny tokenizer spells Down and Left in two tokens each
+        fit.append("--model.lora.head_tokens=[Up,Right]")
     assert main(["fit", "--config", str(config), f"--model.model={tiny_model_path}", *SHRINK, *fit]) == 0
 
 
