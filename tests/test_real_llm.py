@@ -22,7 +22,7 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
          f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
          "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
-         "--model.lora.last_layers=1"],
+         "--model.lora.head_tokens=[Up,Right]"],  # the tiny tokenizer spells Down and Left in two tokens each
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
