@@ -258,7 +258,8 @@ class RagenModule(pl.LightningModule):
         rollout_time = sum(float(v) for k, v in rollout.metrics.items() if k.startswith("time/rollout_"))
         if self.device.type == "cuda":
             out["gpu/peak_memory_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
-        # Every token of every row goes through forward and backward in each PPO epoch (prompts included).
+        # The tokens of the rows the update trains on, in each PPO epoch (prompts included); what the trunk ran over
+        # is `throughput/update_positions` (none when only the head trains: StarPOUpdate.reuses_head_inputs).
         seq_tokens = float(batch.attention_mask[batch.loss_mask.any(-1)].sum()) * self.ppo.ppo_epochs
         out["throughput/update_tokens"] = torch.tensor(seq_tokens)
         if update_s > 0:
