@@ -38,9 +38,9 @@ from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
 
-__all__ = ["SCORED_ROWS", "Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed",
+__all__ = ["SCORED_ROWS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits", "forward_packed",
            "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score",
-           "scored_logits", "shared_prefix_length", "shift_values", "token_stats", "trunk_is_frozen", "unpack_rows"]
+           "scored_logits", "scored_slots", "shared_prefix_length", "shift_values", "token_stats", "trunk_is_frozen", "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
@@ -375,3 +375,22 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
     return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None, hidden=states,
                   positions=positions, scored=int(labels.numel()),
                   head_inputs=torch.cat(reads) if keep_head_inputs else None)
+
+
+def scored_slots(mask: Tensor, K: int) -> Tensor:
+    """(B, K) bool: the first ``mask[:, 1:].sum(-1)`` of each row's K slots (its scored positions, in order)."""
+    counts = mask[:, 1:].sum(-1)
+    return torch.arange(K, device=mask.device) < counts[:, None]
+
+
+def by_row(loss_mask: Tensor, reads: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """(B, K, H) each row's (N, H) head inputs of ``reads`` (rows, inputs) in its first slots (K: the most any row
+    scores), zeros after."""
+    K = int(loss_mask[:, 1:].sum(-1).max())
+    H = reads[0][1].shape[-1]
+    out = reads[0][1].new_zeros(loss_mask.shape[0], K, H)
+    for rows, x in reads:
+        part = out[rows]
+        part[scored_slots(loss_mask[rows], K)] = x
+        out[rows] = part
+    return out

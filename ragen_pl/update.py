@@ -27,7 +27,7 @@ from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_lo
 from ragen_pl.ops import masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
 from ragen_pl.rewards import RewardNorm
-from ragen_pl.scoring import Scores, score, trunk_is_frozen
+from ragen_pl.scoring import Scores, by_row, score, scored_slots, trunk_is_frozen
 from ragen_pl.types import TrajectoryBatch
 
 __all__ = ["MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
@@ -153,7 +153,7 @@ class StarPOUpdate:
         for name, x in filled.items():
             setattr(batch, name, x)
         if reuse and reads:
-            self._head_inputs = (batch, _by_row(batch.loss_mask, reads))
+            self._head_inputs = (batch, by_row(batch.loss_mask, reads))
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
             self._normalise_rewards(batch)
@@ -207,7 +207,7 @@ class StarPOUpdate:
         ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
         scale = self.loss_denominator(mask) / mini_count
         if head_inputs is not None:
-            head_inputs = head_inputs[_scored_slots(mask, head_inputs.shape[1])]
+            head_inputs = head_inputs[scored_slots(mask, head_inputs.shape[1])]
         s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
                   share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs)
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
@@ -398,25 +398,6 @@ def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tenso
     """
     lengths = attention_mask[rows].sum(-1)  # (len(rows),)
     return list(rows[torch.argsort(lengths, descending=True, stable=True)].split(size))
-
-
-def _scored_slots(mask: Tensor, K: int) -> Tensor:
-    """(B, K) bool: the first ``mask[:, 1:].sum(-1)`` of each row's K slots (its scored positions, in order)."""
-    counts = mask[:, 1:].sum(-1)
-    return torch.arange(K, device=mask.device) < counts[:, None]
-
-
-def _by_row(loss_mask: Tensor, reads: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """(B, K, H) each row's (N, H) head inputs of ``reads`` (rows, inputs) in its first slots (K: the most any row
-    scores), zeros after."""
-    K = int(loss_mask[:, 1:].sum(-1).max())
-    H = reads[0][1].shape[-1]
-    out = reads[0][1].new_zeros(loss_mask.shape[0], K, H)
-    for rows, x in reads:
-        part = out[rows]
-        part[_scored_slots(loss_mask[rows], K)] = x
-        out[rows] = part
-    return out
 
 
 def _last_true(mask: Tensor) -> Tensor:
