@@ -147,7 +147,6 @@ class RolloutDataModule(pl.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    @override
     @property
     def by_tag(self) -> bool | None:
         """How a step's metrics split by env: for every env, whenever the run has several (a rank, or a filtered batch,
@@ -155,6 +154,7 @@ class RolloutDataModule(pl.LightningDataModule):
         (per env only where a batch holds several tags)."""
         return True if len(self.envs) > 1 else None
 
+    @override
     def setup(self, stage: str) -> None:
         rank, world = self.world
         if self.n_groups % world:

@@ -38,9 +38,10 @@ from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
 
-__all__ = ["SCORED_ROWS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits", "forward_packed",
-           "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score",
-           "scored_logits", "scored_slots", "shared_prefix_length", "shift_values", "token_stats", "trunk_is_frozen", "unpack_rows"]
+__all__ = ["SCORED_ROWS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits",
+           "forward_packed", "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share",
+           "restrict_to_kept", "score", "scored_logits", "scored_slots", "shared_prefix_length", "shift_values",
+           "token_stats", "trunk_is_frozen", "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
