@@ -117,3 +117,36 @@ def test_sft_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_model_path):
     terms = [torch.nn.functional.cross_entropy(logits[b, t - 1], batch["input_ids"][b, t])
              for b in range(len(records)) for t in range(1, batch["input_ids"].shape[1]) if batch["loss_mask"][b, t]]
     torch.testing.assert_close(loss, torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cached_warm_start_is_built_with_the_same_threads_whoever_builds_it(tmp_path, monkeypatch):
+    """The warm start's weights depend on how many threads split its float sums: a test (1 thread) and the CLI (2)
+    built different weights under one cache key, and the quickstart's learning test passed or failed by which came
+    first. The build now runs with BUILD_THREADS and hands the caller its own count back, also when it fails."""
+    import pytest
+
+    import ragen_pl.sft
+    from ragen_pl.models.cache import BUILD_THREADS, build_threads
+    from ragen_pl.models.tiny import build_warm_tiny_model
+
+    monkeypatch.setenv("RAGEN_PL_CACHE", str(tmp_path))
+    seen = []
+
+    def fake_sft(base, records, out, **kwargs):
+        seen.append(torch.get_num_threads())
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(ragen_pl.sft, "sft", fake_sft)
+    before = torch.get_num_threads()
+    for caller in (1, 3):
+        torch.set_num_threads(caller)
+        try:
+            build_warm_tiny_model(steps=1, episodes=2, overwrite=True)
+            assert torch.get_num_threads() == caller
+        finally:
+            torch.set_num_threads(before)
+    assert seen == [BUILD_THREADS, BUILD_THREADS]
+    with pytest.raises(RuntimeError), build_threads():
+        raise RuntimeError("a failed build")
+    assert torch.get_num_threads() == before

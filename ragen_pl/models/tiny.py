@@ -23,7 +23,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ragen_pl.models.cache import cache_dir, replace_dir
+from ragen_pl.models.cache import build_threads, cache_dir, replace_dir
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -123,7 +123,7 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
 #: The entry in a config's ``model:`` field that names the warm-started tiny model.
 TINY_MODEL_ID = "ragen-pl/tiny"
 #: Bump when the demonstrations or the SFT recipe change, so cached warm models are rebuilt.
-WARM_START_VERSION = 3  # 3: RAGEN's env generators and wording (issue 11)
+WARM_START_VERSION = 4  # 3: RAGEN's env generators and wording (issue 11); 4: built with BUILD_THREADS always
 
 
 def warm_start_rollout():
@@ -151,7 +151,8 @@ def build_warm_tiny_model(config: TinyConfig | None = None, steps: int = 400, ep
     envs = [Bandit(), FrozenLake(), Sokoban()]
     records = demonstrations(envs, episodes, warm_start_rollout(), seed=config.seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    sft(base, records, tmp, steps=steps, lr=3e-3, batch_size=16, seed=config.seed, progress=False)
+    with build_threads():
+        sft(base, records, tmp, steps=steps, lr=3e-3, batch_size=16, seed=config.seed, progress=False)
     replace_dir(tmp, out)
     return out
 
