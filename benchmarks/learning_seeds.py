@@ -6,7 +6,7 @@ other demonstrations), then trains the quickstart with ``seed_everything`` = tha
 success per env at step 0 and at the end. ``tests/test_quickstart.py`` takes its margins from this table.
 
     python benchmarks/learning_seeds.py [--seeds 0 1 2 3 4] [--steps 20] [--val-episodes 64]
-        [--config configs/variants/grpo.yaml] [--keep DIR]
+        [--config configs/variants/grpo.yaml] [--keep DIR] [ragen-pl fit flags, e.g. --model.ppo.entropy_coeff=0.001]
 
 ``--config`` adds a config on top of the quickstart (e.g. the GRPO variant); ``--keep DIR`` copies each run's
 metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs).
@@ -66,8 +66,8 @@ def main() -> None:
     parser.add_argument("--val-episodes", type=int, default=64)
     parser.add_argument("--config", action="append", default=[], help="extra config on top of the quickstart")
     parser.add_argument("--keep", type=Path, default=None, help="copy each run's metrics.csv here")
-    args = parser.parse_args()
-    extra = [a for c in args.config for a in ("--config", c)]
+    args, flags = parser.parse_known_args()  # anything else goes to `ragen-pl fit`, after the configs
+    extra = [*(a for c in args.config for a in ("--config", c)), *flags]
     table = {}
     for seed in args.seeds:
         start = time.perf_counter()

@@ -90,6 +90,8 @@ def test_fit_flags_pass_through(tmp_path, monkeypatch):
     assert flags[-1] == "--model.optim.actor_lr=2e-3"
     assert flags.index(f"--model.optim.actor_lr={findings.COLLAPSE_LR}") < len(flags) - 1
     assert "--data.filter.init_args.top_p=1.0" in flags
+    # both grids keep the entropy bonus their README tables were measured with, whatever the quickstart has now
+    assert flags[0] == "--model.ppo.entropy_coeff=0.001" and findings.GRIDS["quickstart"].flags == findings.MEASURED_WITH
     for bad in (["--from-runs", "--model.optim.actor_lr=2e-3"], ["stray"]):
         with pytest.raises(SystemExit):
             findings.main(["--out", str(tmp_path), *bad])
