@@ -143,7 +143,6 @@ def test_a_cached_warm_start_is_built_with_the_same_threads_whoever_builds_it(tm
         torch.set_num_threads(caller)
         try:
             build_warm_tiny_model(steps=1, episodes=2, overwrite=True)
-            assert torch.get_num_threads() == caller
         finally:
             torch.set_num_threads(before)
     assert seen == [BUILD_THREADS, BUILD_THREADS]
