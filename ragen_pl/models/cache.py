@@ -29,12 +29,16 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 @contextmanager
 def build_threads() -> Iterator[None]:
-    """Run a build with :data:`BUILD_THREADS` torch threads, then give the caller its own count back."""
+    """Run a build with :data:`BUILD_THREADS` torch threads, then give the caller its own count back.
+
+    Through torch's own setter (``torch._C``): vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for
+    the rest of the process once it binds its threads, and a build after it (a test session) kept whatever count
+    it found."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(BUILD_THREADS)
+    torch._C.set_num_threads(BUILD_THREADS)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        torch._C.set_num_threads(before)
