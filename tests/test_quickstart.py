@@ -28,7 +28,9 @@ def test_quickstart_learns_bandit(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     bandit = [(int(r["step"]), float(r["val/Bandit/success"])) for r in rows if r.get("val/Bandit/success")]
     assert bandit[0][0] == 0 and bandit[-1][0] >= 19
-    assert bandit[0][1] <= 0.85, bandit  # the warm start does not know the better arm (0.27-0.69 over 5 seeds)
+    # the warm start does not know the better arm: 0.09-0.91 over 8 rebuilt seeds on 2026-12-04's CPU (seed 0: 0.75;
+    # seed 2's 0.91 is above this bar, so another float path can fail here: see issue 20's note of that day)
+    assert bandit[0][1] <= 0.85, bandit
     # StarPO-S learned to pick the high-risk arm: 1.00 on all 8 rebuilt seeds (0-4, and 5-7 held out) on a CPU with
     # avx512_bf16, 2026-12-04 (with the former entropy bonus of 0.001, seed 0 there broke its answer format: 0.375);
     # with 64 episodes a success of 0.9 has a standard error of about 0.04, so the bar sits 2-3 of them below.

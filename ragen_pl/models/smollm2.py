@@ -84,7 +84,7 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     records = demonstrations([registry.resolve("envs", recipe.env, **recipe.env_args)], recipe.episodes,
                              RolloutConfig(**recipe.rollout), seed=0, play=recipe.play)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    with build_threads():  # the cached builds so far ran on 2 threads (real_llm.py's default): the same weights
+    with build_threads():  # (the key did not change: a cache built before on another thread count stays)
         sft(base, records, tmp, steps=recipe.steps, lr=recipe.lr, batch_size=recipe.batch_size, progress=progress)
     replace_dir(tmp, out)
     return out
