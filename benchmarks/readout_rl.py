@@ -165,8 +165,10 @@ def play(envs, features, w, temperature: float, gen, budget: int):
         if not live:
             break
         x = features([envs[i] for i in live])
-        probs = torch.softmax((x @ w) / temperature, -1)
-        acts = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        if temperature > 0:
+            acts = torch.multinomial(torch.softmax((x @ w) / temperature, -1), 1, generator=gen)[:, 0]
+        else:  # greedy, as the engines sample at temperature 0
+            acts = (x @ w).argmax(-1)
         still = []
         for k, i in enumerate(live):
             _, reward, done, info = envs[i].step(envs[i].actions[int(acts[k])])
@@ -197,6 +199,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
     w = torch.zeros(dim + 1, 4, requires_grad=True)  # the last row is the bias
     opt = torch.optim.Adam([w], lr=lr) if args.optimizer == "adam" else torch.optim.SGD([w], lr=lr)
     gen = torch.Generator().manual_seed(seed)
+    shuffle = torch.Generator().manual_seed(seed)  # the mini-batch order
     val_first = data.get("val_seed", 1_000_000)
 
     offset = None
@@ -247,22 +250,34 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
             mean_direction = (raw.mean(0) / raw.mean(0).norm()).unsqueeze(-1)
             rows = [(torch.cat([project_out(x[:-1], mean_direction), x[-1:]]), a, adv) for x, a, adv in rows]
         if rows:
-            x = torch.stack([r[0] for r in rows])
-            a = torch.tensor([r[1] for r in rows])
-            advantage = torch.tensor([r[2] for r in rows])
-            logps = torch.log_softmax(x @ w, -1)
-            logp = logps[torch.arange(len(rows)), a]
-            entropy = -(logps.exp() * logps).sum(-1)
-            norm = len(rows) if args.agg == "token" else int(kept.sum())
-            # KL(policy || start), the start uniform: k3 on the sampled action, 1/r - 1 + log r with r = 4 p
-            # (ragen_pl.losses.kl_penalty's estimator, without its clamp)
-            log_r = logp + math.log(4)
-            kl = (-log_r).exp() - 1 + log_r
-            loss = (-(advantage * logp).sum() / norm - args.entropy_coeff * entropy.mean()
-                    + args.kl_coeff * kl.mean())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            x_all = torch.stack([r[0] for r in rows])
+            a_all = torch.tensor([r[1] for r in rows])
+            adv_all = torch.tensor([r[2] for r in rows])
+            with torch.no_grad():
+                old_all = torch.log_softmax(x_all @ w, -1)[torch.arange(len(rows)), a_all]
+            # --ppo-epochs passes of --mini-batch rows each: PPO's clipped ratio (clip-higher 0.2 / 0.28), which
+            # with one pass of one mini-batch is the plain policy gradient of the sampling policy
+            size = args.mini_batch or len(rows)
+            for _ in range(args.ppo_epochs):
+                perm = torch.randperm(len(rows), generator=shuffle) if size < len(rows) else torch.arange(len(rows))
+                for start in range(0, len(rows), size):
+                    idx = perm[start:start + size]
+                    x, a, advantage, old = x_all[idx], a_all[idx], adv_all[idx], old_all[idx]
+                    logps = torch.log_softmax(x @ w, -1)
+                    logp = logps[torch.arange(len(idx)), a]
+                    ratio = (logp - old).exp()
+                    surrogate = torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage)
+                    entropy = -(logps.exp() * logps).sum(-1)
+                    norm = len(idx) if args.agg == "token" else int(kept.sum()) * len(idx) / len(rows)
+                    # KL(policy || start), the start uniform: k3 on the sampled action, 1/r - 1 + log r with
+                    # r = 4 p (ragen_pl.losses.kl_penalty's estimator, without its clamp)
+                    log_r = logp + math.log(4)
+                    kl = (-log_r).exp() - 1 + log_r
+                    loss = (-surrogate.sum() / norm - args.entropy_coeff * entropy.mean()
+                            + args.kl_coeff * kl.mean())
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
         if it % args.eval_every == 0:
             curve.append(evaluate())
     return curve, train
@@ -297,9 +312,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="evaluation temperature (default: the config's val_temperature)")
     parser.add_argument("--agg", choices=("token", "seq"), default="token",
                         help="token-mean (every turn weighs the same) or seq-mean (every trajectory does)")
+    parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's kept turns")
+    parser.add_argument("--mini-batch", type=int, default=None,
+                        help="turns per optimiser step (default: all kept turns of the iteration, one step a pass)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    for name in ("iterations", "eval_every", "n_groups", "plays"):
+    for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *(["mini_batch"] if args.mini_batch
+                                                                                is not None else [])):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2:
