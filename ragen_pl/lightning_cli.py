@@ -260,9 +260,9 @@ class RagenCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         threads = self.config.get(self.subcommand, self.config).get("torch_threads", 0) if self.subcommand else 0
         if threads:
-            import torch
+            from ragen_pl.hardware import set_torch_threads
 
-            torch.set_num_threads(threads)
+            set_torch_threads(threads)
 
 
 def _warn_slow_precision(trainer) -> None:

@@ -100,3 +100,21 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_named(tiny_model_path, tmp_p
     assert named == ([
         "`--trainer.precision=bf16-mixed` on a CPU without bf16 instructions (avx512_bf16, amx_bf16) runs several "
         "times slower than float32 here; drop it (32-true) on this machine"] if warned else [])
+
+
+def test_torch_threads_holds_where_vllm_made_set_num_threads_a_no_op(tiny_model_path, monkeypatch):
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the rest of the process; a later
+    ``--torch_threads`` (a notebook, a test session that ran vLLM) was silently ignored. It is set before the run's
+    objects are built, so a run refused at that point has already set it."""
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = 2 if before == 1 else 1
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    try:
+        with pytest.raises(SystemExit):
+            raise SystemExit(main([*QUICK, f"--model.model={tiny_model_path}", "--trainer.max_steps=0",
+                                   f"--torch_threads={wanted}", "--data.rollout.max_new_tokens=0"]))
+        assert torch.get_num_threads() == wanted
+    finally:
+        torch._C.set_num_threads(before)

@@ -31,14 +31,15 @@ def replace_dir(tmp: Path, out: Path) -> None:
 def build_threads() -> Iterator[None]:
     """Run a build with :data:`BUILD_THREADS` torch threads, then give the caller its own count back.
 
-    Through torch's own setter (``torch._C``): vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for
-    the rest of the process once it binds its threads, and a build after it (a test session) kept whatever count
-    it found."""
+    Through :func:`~ragen_pl.hardware.set_torch_threads`, which a process where vLLM's CPU worker ran still obeys
+    (a build after it in a test session kept whatever count it found)."""
     import torch
 
+    from ragen_pl.hardware import set_torch_threads
+
     before = torch.get_num_threads()
-    torch._C.set_num_threads(BUILD_THREADS)
+    set_torch_threads(BUILD_THREADS)
     try:
         yield
     finally:
-        torch._C.set_num_threads(before)
+        set_torch_threads(before)
