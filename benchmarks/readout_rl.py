@@ -28,7 +28,11 @@ times the features), to see what it does to learning; ``--center`` then reads th
 along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``: the learner
 reads one kind of position, so one direction is its shared part).
 ``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
-``--val-temperature`` vary the rest of the rule.
+``--val-temperature`` vary the rest of the rule. ``--ppo-epochs N --mini-batch M`` replace the one plain step an
+iteration with N passes of PPO's clipped steps over mini-batches of M kept turns (``--model.ppo.ppo_epochs`` and
+``--model.ppo.mini_batch_size`` of the SmolLM2 runs). For ``llm`` features, ``--model warm`` reads the config's format
+warm start (the runs' step 0) instead of SmolLM2 itself, ``--pca K`` keeps the K leading principal directions of
+the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs.
 
 Printed per feature set and learning rate: evaluation success every ``--eval-every`` iterations (mean over
 ``--seeds``), and the first iteration (and trajectories) at which the mean reaches the random policy's success
@@ -120,24 +124,48 @@ class Local:
         return torch.tensor(x)
 
 
+def pca_basis(z: torch.Tensor, k: int) -> torch.Tensor:
+    """(H, K): the K leading principal directions of ``z`` (N, H), centred, each divided by its standard deviation,
+    so that ``z @ basis`` has K uncorrelated columns of variance 1 over ``z``'s rows."""
+    import torch
+
+    _, sv, vh = torch.linalg.svd(z - z.mean(0), full_matrices=False)
+    return vh[:k].T / (sv[:k] / (len(z) - 1) ** 0.5)
+
+
 class Hidden:
     """SmolLM2's hidden state at the last prompt token of each board's rollout prompt, computed once per board."""
 
-    def __init__(self, cfg: dict, layer: int, standardise_on: list) -> None:
+    def __init__(self, cfg: dict, layer: int, standardise_on: list, pca: int | None = None, model: str = "raw",
+                 env: str = "frozenlake", cache: str | None = None) -> None:
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ragen_pl.models.smollm2 import build_smollm2
+        from ragen_pl.models.smollm2 import build_smollm2, build_smollm2_warm
 
-        path = build_smollm2()
+        path = build_smollm2_warm(env, progress=False) if model == "warm" else build_smollm2()
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.tok = AutoTokenizer.from_pretrained(path)
         self.cfg, self.layer, self.known = cfg, layer, {}
-        self.mean = self.std = None
+        self.cache = Path(cache) if cache else None
+        if self.cache is not None and self.cache.exists():
+            self.known = torch.load(self.cache)
+        self.mean = self.std = self.basis = None
         x = self(standardise_on)
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
+        if pca is not None:
+            self.basis = pca_basis((x - self.mean) / self.std, pca)
         self.size, self.spread = float(x.abs().mean()), float(x.std(0).mean())
         """Mean size of a dimension, and its mean standard deviation across the boards: how much of the state
         depends on the board (the geometry ``--common`` imitates)."""
+
+    def save(self) -> None:
+        """Write the states computed so far to ``--feature-cache``."""
+        import torch
+
+        if self.cache is not None:
+            self.cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.known, self.cache)
 
     def __call__(self, envs) -> torch.Tensor:
         import torch
@@ -150,7 +178,10 @@ class Hidden:
                               [self.layer])[:, 0]
             self.known.update(zip(new, h))
         x = torch.stack([self.known[o] for o in obs])
-        return x if self.mean is None else (x - self.mean) / self.std
+        if self.mean is None:
+            return x
+        x = (x - self.mean) / self.std
+        return x if self.basis is None else x @ self.basis
 
 
 def play(envs, features, w, temperature: float, gen, budget: int):
@@ -312,13 +343,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="evaluation temperature (default: the config's val_temperature)")
     parser.add_argument("--agg", choices=("token", "seq"), default="token",
                         help="token-mean (every turn weighs the same) or seq-mean (every trajectory does)")
+    parser.add_argument("--model", choices=("raw", "warm"), default="raw",
+                        help="llm features from SmolLM2-135M-Instruct itself, or from the config's format warm start "
+                        "(the RL runs' step 0)")
+    parser.add_argument("--feature-cache", default=None, metavar="FILE",
+                        help="llm features: keep each board's hidden state in FILE and reuse it in later runs (the "
+                        "same --model, --layer and --env only; a state is computed once per board either way)")
+    parser.add_argument("--pca", type=int, default=None, metavar="K",
+                        help="llm features: keep the K leading principal directions of the standardised states (over "
+                        "the same 256 first boards), each scaled to unit variance, instead of all of them")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's kept turns")
     parser.add_argument("--mini-batch", type=int, default=None,
                         help="turns per optimiser step (default: all kept turns of the iteration, one step a pass)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *(["mini_batch"] if args.mini_batch
-                                                                                is not None else [])):
+    optional = [name for name in ("mini_batch", "pca") if getattr(args, name) is not None]
+    for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *optional):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2:
@@ -350,12 +390,14 @@ def main(argv: list[str] | None = None) -> int:
             envs = [make_env(cfg["data"]["env"]) for _ in range(256)]
             for i, env in enumerate(envs):
                 env.reset(random.Random(i).randrange(10**6))
-            features = Hidden(cfg, args.layer, envs)
+            features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache)
             print(f"  SmolLM2 layer {args.layer} over {len(envs)} first boards: a dimension's mean size "
                   f"{features.size:.3f}, its standard deviation across boards {features.spread:.3f} "
                   f"({features.spread / features.size:.3f} of it)", flush=True)
         for lr in args.lrs:
             runs = [run(cfg, features, lr, seed, args) for seed in args.seeds]
+            if isinstance(features, Hidden):
+                features.save()
             curves = [c for c, _ in runs]
             k = min(10, args.iterations)
             first, last = (sum(sum(t[s]) / k for _, t in runs) / len(runs) for s in (slice(0, k), slice(-k, None)))

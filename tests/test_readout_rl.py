@@ -86,10 +86,27 @@ def test_temperature_zero_plays_greedy(readout_rl):
     assert moves and set(moves) == {2}
 
 
+def test_pca_basis_whitens_the_leading_directions(readout_rl):
+    """Three directions of variance 9, 4 and 1 in 5 dimensions (rotated): the basis keeps the first two, and the
+    projected rows have the identity as covariance; the kept directions are the two largest."""
+    g = torch.Generator().manual_seed(0)
+    rotation, _ = torch.linalg.qr(torch.randn(5, 5, generator=g))
+    scales = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0])
+    z = (torch.randn(4000, 5, generator=g) * scales) @ rotation.T + 7.0
+    basis = readout_rl.pca_basis(z, 2)
+    y = (z - z.mean(0)) @ basis
+    torch.testing.assert_close(torch.cov(y.T), torch.eye(2), atol=1e-4, rtol=0)
+    # each kept direction lies along a column of the rotation, the variance-9 one first
+    directions = basis / basis.norm(dim=0)
+    assert abs(float(directions[:, 0] @ rotation[:, 0])) > 0.99
+    assert abs(float(directions[:, 1] @ rotation[:, 1])) > 0.99
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
     (["--mini-batch", "0"], "--mini-batch must be >= 1"),
+    (["--pca", "0"], "--pca must be >= 1"),
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
 ])
