@@ -147,9 +147,13 @@ class Hidden:
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.tok = AutoTokenizer.from_pretrained(path)
         self.cfg, self.layer, self.known = cfg, layer, {}
-        self.cache = Path(cache) if cache else None
+        self.cache, self.source = (Path(cache) if cache else None), {"model": Path(path).name, "layer": layer, "env": env}
         if self.cache is not None and self.cache.exists():
-            self.known = torch.load(self.cache)
+            saved = torch.load(self.cache)
+            if saved.get("source") != self.source:
+                raise SystemExit(f"error: --feature-cache {self.cache}: holds states of {saved.get('source')}, not of "
+                                 f"{self.source}; give another file")
+            self.known = saved["states"]
         self.mean = self.std = self.basis = None
         x = self(standardise_on)
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
@@ -165,7 +169,7 @@ class Hidden:
 
         if self.cache is not None:
             self.cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.known, self.cache)
+            torch.save({"source": self.source, "states": self.known}, self.cache)
 
     def __call__(self, envs) -> torch.Tensor:
         import torch
@@ -221,6 +225,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
     from ragen_pl.advantages import grpo
     from ragen_pl.filters import select_groups
     from ragen_pl.lora import project_out
+    from ragen_pl.losses import ppo_clip
 
     data = cfg["data"]
     budget = data["rollout"].get("max_actions_per_episode", 10)
@@ -286,8 +291,8 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
             adv_all = torch.tensor([r[2] for r in rows])
             with torch.no_grad():
                 old_all = torch.log_softmax(x_all @ w, -1)[torch.arange(len(rows)), a_all]
-            # --ppo-epochs passes of --mini-batch rows each: PPO's clipped ratio (clip-higher 0.2 / 0.28), which
-            # with one pass of one mini-batch is the plain policy gradient of the sampling policy
+            # --ppo-epochs passes of --mini-batch rows each: the runs' PPO loss (clip-higher 0.2 / 0.28), which with
+            # one pass of one mini-batch is the plain policy gradient of the sampling policy
             size = args.mini_batch or len(rows)
             for _ in range(args.ppo_epochs):
                 perm = torch.randperm(len(rows), generator=shuffle) if size < len(rows) else torch.arange(len(rows))
@@ -296,15 +301,14 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
                     x, a, advantage, old = x_all[idx], a_all[idx], adv_all[idx], old_all[idx]
                     logps = torch.log_softmax(x @ w, -1)
                     logp = logps[torch.arange(len(idx)), a]
-                    ratio = (logp - old).exp()
-                    surrogate = torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.28) * advantage)
+                    clipped, _ = ppo_clip(logp, old, advantage, torch.ones_like(logp, dtype=torch.bool))
                     entropy = -(logps.exp() * logps).sum(-1)
                     norm = len(idx) if args.agg == "token" else int(kept.sum()) * len(idx) / len(rows)
                     # KL(policy || start), the start uniform: k3 on the sampled action, 1/r - 1 + log r with
                     # r = 4 p (ragen_pl.losses.kl_penalty's estimator, without its clamp)
                     log_r = logp + math.log(4)
                     kl = (-log_r).exp() - 1 + log_r
-                    loss = (-surrogate.sum() / norm - args.entropy_coeff * entropy.mean()
+                    loss = (clipped.sum() / norm - args.entropy_coeff * entropy.mean()
                             + args.kl_coeff * kl.mean())
                     opt.zero_grad()
                     loss.backward()
@@ -347,8 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llm features from SmolLM2-135M-Instruct itself, or from the config's format warm start "
                         "(the RL runs' step 0)")
     parser.add_argument("--feature-cache", default=None, metavar="FILE",
-                        help="llm features: keep each board's hidden state in FILE and reuse it in later runs (the "
-                        "same --model, --layer and --env only; a state is computed once per board either way)")
+                        help="llm features: keep each board's hidden state in FILE and reuse it in later runs (a "
+                        "file of another model, --layer or --env is refused; a state is computed once per board either way)")
     parser.add_argument("--pca", type=int, default=None, metavar="K",
                         help="llm features: keep the K leading principal directions of the standardised states (over "
                         "the same 256 first boards), each scaled to unit variance, instead of all of them")

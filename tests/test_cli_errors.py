@@ -108,6 +108,8 @@ def test_torch_threads_holds_where_vllm_made_set_num_threads_a_no_op(tiny_model_
     objects are built, so a run refused at that point has already set it."""
     import torch
 
+    from ragen_pl.hardware import set_torch_threads
+
     before = torch.get_num_threads()
     wanted = 2 if before == 1 else 1
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
@@ -117,4 +119,4 @@ def test_torch_threads_holds_where_vllm_made_set_num_threads_a_no_op(tiny_model_
                                    f"--torch_threads={wanted}", "--data.rollout.max_new_tokens=0"]))
         assert torch.get_num_threads() == wanted
     finally:
-        torch._C.set_num_threads(before)
+        set_torch_threads(before)

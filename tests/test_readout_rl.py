@@ -114,3 +114,27 @@ def test_bad_flags_refused(readout_rl, capsys, flags, message):
     with pytest.raises(SystemExit):
         readout_rl.parse_args(flags)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_feature_cache_is_reused_and_refused_for_another_source(readout_rl, tiny_model_path, tmp_path, monkeypatch):
+    """``--feature-cache``: the states of one model and layer come back from the file instead of the model, and a
+    file of another layer is refused in one line naming the flag (it used to be read whatever it held)."""
+    import ragen_pl.models.smollm2
+    from ragen_pl.envs.frozen_lake import FrozenLake
+
+    monkeypatch.setattr(ragen_pl.models.smollm2, "build_smollm2", lambda: tiny_model_path)
+    cfg = readout_rl.load_config("frozenlake")
+    boards = []
+    for seed in range(3):
+        boards.append(FrozenLake(size=4, cell_separator=" "))
+        boards[-1].reset(seed)
+    cache = tmp_path / "states.pt"
+    first = readout_rl.Hidden(cfg, 1, boards, cache=str(cache))
+    first.save()
+    again = readout_rl.Hidden(cfg, 1, boards, cache=str(cache))
+    assert again.known.keys() == first.known.keys() and len(again.known) == 3
+    again.model = None  # every state comes from the file: a forward would fail
+    torch.testing.assert_close(again(boards), first(boards))
+    with pytest.raises(SystemExit, match=r"^error: --feature-cache .*states\.pt: holds states of .*'layer': 1.*"
+                                         r"give another file$"):
+        readout_rl.Hidden(cfg, 2, boards, cache=str(cache))

@@ -126,6 +126,7 @@ def test_a_cached_warm_start_is_built_with_the_same_threads_whoever_builds_it(tm
     import pytest
 
     import ragen_pl.sft
+    from ragen_pl.hardware import set_torch_threads
     from ragen_pl.models.cache import BUILD_THREADS, build_threads
     from ragen_pl.models.tiny import build_warm_tiny_model
 
@@ -141,14 +142,14 @@ def test_a_cached_warm_start_is_built_with_the_same_threads_whoever_builds_it(tm
     before = torch.get_num_threads()
     caller = 1 if BUILD_THREADS != 1 else 2
     try:
-        torch._C.set_num_threads(caller)
+        set_torch_threads(caller)
         build_warm_tiny_model(steps=1, episodes=2, overwrite=True)
         assert torch.get_num_threads() == caller
         monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's CPU worker leaves behind
         build_warm_tiny_model(steps=1, episodes=2, overwrite=True)
         assert torch.get_num_threads() == caller
     finally:
-        torch._C.set_num_threads(before)
+        set_torch_threads(before)
     assert seen == [BUILD_THREADS, BUILD_THREADS]
     with pytest.raises(RuntimeError), build_threads():
         raise RuntimeError("a failed build")
