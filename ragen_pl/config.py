@@ -221,11 +221,6 @@ class LoraSettings:
     """With ``center_head``: the head's adapter also reads each dimension of that centred state divided by its root
     mean square over the same positions (fixed with the directions), so what differs between inputs is read at unit
     scale instead of a few hundredths of the state's size (``ragen_pl.lora``: why)."""
-    head_pca: int = 0
-    """With ``whiten_head``: the head's adapter reads only this many leading directions of the whitened centred
-    state, each scaled to unit mean square (fixed with the rest at the first update), so that a readout of a few
-    thousand turns does not take a noise step in every one of the hidden size's dimensions (``ragen_pl.lora``). 0:
-    every dimension."""
     head_tokens: list[str] | None = None
     """With ``lm_head`` among the targets: its adapter becomes a readout that moves only these tokens' logits (each
     must be one token, e.g. ``[Left, Down, Right, Up]``): rank the number of tokens, ``lora_B`` fixed to those
@@ -244,10 +239,6 @@ class LoraSettings:
         if self.whiten_head and not self.center_head:
             raise ValueError("`--model.lora.whiten_head` scales the centred head's input: it needs "
                              "`--model.lora.center_head` >= 1, got 0")
-        check_int("--model.lora.head_pca", self.head_pca, low=0)
-        if self.head_pca and not self.whiten_head:
-            raise ValueError(f"`--model.lora.head_pca` keeps directions of the whitened head's input: it needs "
-                             f"`--model.lora.whiten_head` true, got {self.whiten_head!r}")
         if self.head_tokens is not None:
             tokens = self.head_tokens
             if isinstance(tokens, str) or not tokens or not all(isinstance(t, str) and t for t in tokens) \

@@ -25,14 +25,6 @@ centred state by its root mean square over the same positions (``s``, fixed with
 simulation learned from (``benchmarks/readout_rl.py --features llm``, standardised: 0.278 on FrozenLake in 1,920
 trajectories at lr 0.003). Still linear: ``A' = A diag(1/s) (I - U U^T)``.
 
-``--model.lora.head_pca K`` then keeps only the K leading directions of that whitened state (the top eigenvectors of
-its second moment over the same positions, each divided by the square root of its eigenvalue, fixed with ``U`` and
-``s``): the adapter reads K coordinates of unit scale, placed in its first K inputs (the others read 0, so their
-weights get no gradient). With Adam every trained weight moves by about the rate a step, so a readout of all 576
-dimensions takes a random step in each, most of them noise for a 4-action policy fed by a few thousand turns; K
-directions that keep the board's variation leave that noise out (``benchmarks/readout_rl.py --pca``). Folded:
-``A' = A_K P^T diag(1/s) (I - U U^T)``.
-
 ``--model.lora.head_tokens`` makes the head adapter that readout exactly: ``lora_B`` fixed to one-hot columns on the
 given tokens' rows (FrozenLake's four actions), ``lora_A`` trained from zero. Only those tokens' logits move, so the
 adapter cannot break the answer format (a plain head adapter at lr 3e-2 broke ``</answer>`` on one seed) and its
@@ -54,17 +46,12 @@ from torch import Tensor, nn
 from ragen_pl.config import LoraSettings
 from ragen_pl.scoring import SCORED_ROWS
 
-__all__ = ["add_lora", "head_folded", "head_token_ids", "project_out", "readout_basis", "root_mean_square",
+__all__ = ["add_lora", "head_folded", "head_token_ids", "project_out", "root_mean_square",
            "shared_directions", "untie_output_embeddings"]
 
 SHARED_DIRECTIONS = "shared_directions"
 """The buffer of a centred head's ``lora_A`` module: the (hidden, k) orthonormal directions ``U`` it leaves out (zeros
 until the first update)."""
-
-READOUT_BASIS = "readout_basis"
-"""The buffer of a ``head_pca`` head's ``lora_A`` module: the (hidden, K) leading directions ``P`` of the whitened
-centred state, each divided by the square root of its eigenvalue; the adapter reads ``x P`` (zeros until the first
-update)."""
 
 FEATURE_SCALE = "feature_scale"
 """The buffer of a whitened centred head's ``lora_A`` module: the (hidden,) root mean squares ``s`` of the centred
@@ -104,7 +91,7 @@ def add_lora(policy: nn.Module, lora: LoraSettings, tokenizer: Any = None) -> nn
     if ids is not None:
         _readout(head, ids)
     if lora.center_head:
-        _center(head.lora_A["default"], lora.center_head, lora.whiten_head, lora.head_pca)
+        _center(head.lora_A["default"], lora.center_head, lora.whiten_head)
     return policy
 
 
@@ -145,44 +132,24 @@ def untie_output_embeddings(model: nn.Module) -> None:
         text.tie_word_embeddings = False
 
 
-def _center(lora_a: nn.Linear, k: int, whiten: bool, pca: int = 0) -> None:
+def _center(lora_a: nn.Linear, k: int, whiten: bool) -> None:
     if k > lora_a.in_features:
         raise ValueError(f"`--model.lora.center_head` must be at most the hidden size {lora_a.in_features}, got {k}")
-    if k + pca > lora_a.in_features:
-        raise ValueError(f"`--model.lora.head_pca` must be at most the hidden size {lora_a.in_features} less "
-                         f"`--model.lora.center_head` {k}, got {pca}")
     lora_a.register_buffer(SHARED_DIRECTIONS, torch.zeros(lora_a.in_features, k, dtype=lora_a.weight.dtype))
     if whiten:
         lora_a.register_buffer(FEATURE_SCALE, torch.ones(lora_a.in_features, dtype=lora_a.weight.dtype))
-    if pca:
-        lora_a.register_buffer(READOUT_BASIS, torch.zeros(lora_a.in_features, pca, dtype=lora_a.weight.dtype))
     lora_a.register_forward_pre_hook(_project_out_shared)
 
 
 def shared_directions(h: Tensor, k: int) -> Tensor:
     """The (H, k) leading eigenvectors of the second moment of the rows of ``h`` (n, H), summed over processes so
     that every process leaves out the same directions."""
-    return _leading(h, k)[1]
-
-
-def readout_basis(z: Tensor, k: int) -> Tensor:
-    """(H, k): the leading eigenvectors of the second moment of the rows of ``z`` (n, H), over every process's rows,
-    each divided by the square root of its eigenvalue, so that ``z @ basis`` has k uncorrelated columns of mean square
-    1 over those rows."""
-    values, vectors = _leading(z, k, mean=True)
-    return vectors / values.clamp_min(1e-12).sqrt()
-
-
-def _leading(h: Tensor, k: int, mean: bool = False) -> tuple[Tensor, Tensor]:
-    """The k largest eigenvalues (descending) and their eigenvectors of the rows' second moment, summed over
-    processes (divided by the rows' count with ``mean``)."""
     h = h.detach().reshape(-1, h.shape[-1]).double()
-    moment = torch.cat([h.T @ h, h.new_full((1, h.shape[-1]), h.shape[0])])  # the last row counts the rows
+    moment = h.T @ h
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(moment)
-    moment, count = moment[:-1], moment[-1, 0]
-    values, vectors = torch.linalg.eigh(moment / count.clamp_min(1) if mean else moment)  # ascending eigenvalues
-    return values[-k:].flip(-1), vectors[:, -k:].flip(-1)
+    _, vectors = torch.linalg.eigh(moment)  # ascending eigenvalues
+    return vectors[:, -k:].flip(-1)
 
 
 def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -200,19 +167,10 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
         rows = h[scored]
         directions.copy_(shared_directions(rows, directions.shape[1]))
         if hasattr(module, FEATURE_SCALE):
-            centred = project_out(rows.double(), directions.double())
-            getattr(module, FEATURE_SCALE).copy_(root_mean_square(centred))
-            if hasattr(module, READOUT_BASIS):
-                basis = getattr(module, READOUT_BASIS)
-                basis.copy_(readout_basis(centred / getattr(module, FEATURE_SCALE).double(), basis.shape[1]))
+            getattr(module, FEATURE_SCALE).copy_(root_mean_square(project_out(rows.double(), directions.double())))
     h = project_out(h, directions.to(h.dtype))
     scale = getattr(module, FEATURE_SCALE, None)
-    h = h if scale is None else h / scale.to(h.dtype)
-    basis = getattr(module, READOUT_BASIS, None)
-    if basis is not None:  # the K coordinates first, zeros after: the other inputs' weights get no gradient
-        x = h @ basis.to(h.dtype)
-        h = torch.cat([x, x.new_zeros(*x.shape[:-1], h.shape[-1] - x.shape[-1])], -1)
-    return (h,)
+    return (h if scale is None else h / scale.to(h.dtype),)
 
 
 def root_mean_square(x: Tensor, floor: float = 1e-2) -> Tensor:
@@ -234,9 +192,8 @@ def project_out(h: Tensor, directions: Tensor) -> Tensor:
 @contextmanager
 def head_folded(policy: nn.Module) -> Iterator[None]:
     """Within: each centred head's ``lora_A`` weight holds the adapter as plain LoRA on the hidden state,
-    ``A diag(1/s) (I - U U^T)`` (with ``head_pca``: ``A_K P^T diag(1/s) (I - U U^T)``), so that merging it into the
-    head (engines, exports) is exact; the trained weight comes back on exit. Merge (and unmerge) inside; a forward
-    inside would apply the input's transform twice. A no-op
+    ``A diag(1/s) (I - U U^T)``, so that merging it into the head (engines, exports) is exact; the trained weight comes
+    back on exit. Merge (and unmerge) inside; a forward inside would apply the input's transform twice. A no-op
     without a centred head or before its first update. Row by row, so under FSDP2 each process folds its own rows."""
     saved = []
     for module in policy.modules():
@@ -246,9 +203,6 @@ def head_folded(policy: nn.Module) -> Iterator[None]:
             w = w.to_local() if hasattr(w, "to_local") else w  # a DTensor sharded by rows (FSDP2's dim 0)
             saved.append((w, w.detach().clone()))
             with torch.no_grad():
-                basis = getattr(module, READOUT_BASIS, None)
-                if basis is not None:
-                    w.copy_(w[:, :basis.shape[1]] @ basis.to(w.dtype).T)
                 scale = getattr(module, FEATURE_SCALE, None)
                 if scale is not None:
                     w /= scale.to(w.dtype)

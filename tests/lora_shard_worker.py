@@ -13,14 +13,14 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, READOUT_BASIS, SHARED_DIRECTIONS, add_lora
+    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora
     from ragen_pl.policy import policy_state_dict
     from ragen_pl.scoring import SCORED_ROWS, score
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2,
-                        whiten_head=True, head_pca=3)
+                        whiten_head=True)
     policy = add_lora(AutoModelForCausalLM.from_pretrained(model_path), lora)
     with torch.no_grad():  # trained-looking adapters, the same on every rank
         gen = torch.Generator().manual_seed(0)
@@ -45,7 +45,6 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump({"directions": getattr(head_a, SHARED_DIRECTIONS).tolist(), "moment": (h.T @ h).tolist(),
                    "rows": h.shape[0], "scale": getattr(head_a, FEATURE_SCALE).tolist(),
-                   "basis": getattr(head_a, READOUT_BASIS).tolist(),
                    "merged": {k: v.tolist() for k, v in merged.items() if "lm_head" in k or "layers.0.self_attn.q"
                               in k or "layers.1.mlp.down" in k}}, f)
     dist.destroy_process_group()

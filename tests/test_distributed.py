@@ -234,17 +234,16 @@ def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_p
 
 
 def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_path):
-    """FSDP2 on 2 CPU processes with LoRA on layers and a centred, whitened head on 3 directions (`center_head=2`,
-    `whiten_head`, `head_pca=3`): both ranks fix the same shared directions, those of the second moment summed over
-    both ranks' hidden states, the same scales, the root mean squares of the centred states over both ranks' rows,
-    and the same readout basis, the whitened state's 3 leading directions over both ranks' rows; and the merged weights an
+    """FSDP2 on 2 CPU processes with LoRA on layers and a centred, whitened head (`center_head=2`, `whiten_head`):
+    both ranks fix the same shared directions, those of the second moment summed over both ranks' hidden states, and
+    the same scales, the root mean squares of the centred states over both ranks' rows; and the merged weights an
     engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
     those directions. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
     first rollout."""
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, READOUT_BASIS, SHARED_DIRECTIONS, add_lora
+    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora
     from ragen_pl.policy import policy_state_dict
 
     ranks = _two_workers("lora_shard_worker.py", tiny_model_path, tmp_path)
@@ -259,17 +258,9 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
     keep = torch.eye(len(scale), dtype=torch.float64) - reference @ reference.T
     rms = (torch.diagonal(keep @ moment @ keep) / sum(r["rows"] for r in ranks)).sqrt()
     torch.testing.assert_close(scale.double(), rms.clamp_min(1e-2 * rms.mean()), atol=1e-4, rtol=1e-3)
-    basis = torch.tensor(ranks[0]["basis"])
-    assert torch.equal(basis, torch.tensor(ranks[1]["basis"]))
-    whitened = keep @ moment @ keep / torch.outer(scale, scale).double() / sum(r["rows"] for r in ranks)
-    b = basis.double()  # unit mean square, uncorrelated, and the 3 directions holding the most of it
-    torch.testing.assert_close(b.T @ whitened @ b, torch.eye(3, dtype=b.dtype), atol=1e-3, rtol=0)
-    unit = b / b.norm(dim=0)
-    torch.testing.assert_close(torch.trace(unit.T @ whitened @ unit),
-                               torch.linalg.eigvalsh(whitened)[-3:].sum(), atol=1e-3, rtol=1e-4)
 
     lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2,
-                        whiten_head=True, head_pca=3)
+                        whiten_head=True)
     policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
@@ -279,7 +270,6 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
         head_a = policy.get_base_model().get_output_embeddings().lora_A["default"]
         getattr(head_a, SHARED_DIRECTIONS).copy_(directions)
         getattr(head_a, FEATURE_SCALE).copy_(scale)
-        getattr(head_a, READOUT_BASIS).copy_(basis)
     plain = policy_state_dict(policy, lora=True)
     for rank in ranks:
         assert set(rank["merged"]) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight",

@@ -580,65 +580,6 @@ def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
         RagenModule(str(tiny_model_path), lora=LoraSettings(target_modules=["lm_head"], head_tokens=["Left"]))
 
 
-def test_pca_readout_head_reads_k_whitened_directions(tiny_model_path):
-    """`--model.lora.head_pca K`: the readout reads the K leading directions of the whitened centred state (P, the top
-    eigenvectors of its second moment over the first update's scored positions, each divided by the square root of
-    its eigenvalue: checked by hand), in its first K inputs; the weights of the other inputs stay 0 (no gradient), the
-    logits move by ``A_K P^T`` of that state, and the merged weights an engine gets give the trained logits."""
-    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
-    from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, READOUT_BASIS, SHARED_DIRECTIONS
-    from ragen_pl.policy import policy_state_dict
-
-    k = 3
-    lora = LoraSettings(target_modules=["lm_head"], center_head=2, whiten_head=True, head_pca=k,
-                        head_tokens=["Right", "Up"])
-    module = RagenModule(str(tiny_model_path), advantage=GRPO(), lora=lora,
-                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(actor_lr=1e-1))
-    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
-                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
-    lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
-    seen = _record_first_scored_input(lora_a)
-    trainer(2).fit(module, dm)
-    a = lora_a.weight.detach().double()
-    assert a[:, :k].abs().min() > 1e-3 and not a[:, k:].any()  # only the K coordinates' weights trained
-    u, scale = getattr(lora_a, SHARED_DIRECTIONS).double(), getattr(lora_a, FEATURE_SCALE).double()
-    basis = getattr(lora_a, READOUT_BASIS).double()
-    h = seen[0].double()
-    z = (h - h @ u @ u.T) / scale
-    top = torch.linalg.eigvalsh(z.T @ z / len(z))[-k:]
-    directions = basis / basis.norm(dim=0)  # orthonormal, and holding the most mean square of z K can (Ky Fan)
-    torch.testing.assert_close(directions.T @ directions, torch.eye(k, dtype=z.dtype), atol=1e-6, rtol=0)
-    torch.testing.assert_close((z @ directions).pow(2).mean(0).sum(), top.sum(), atol=1e-6, rtol=1e-6)
-    x = z @ basis
-    torch.testing.assert_close(x.T @ x / len(x), torch.eye(k, dtype=x.dtype), atol=1e-4, rtol=1e-4)
-    module.policy.eval()
-    ids = [module.tokenizer.encode(t, add_special_tokens=False)[0] for t in ["Right", "Up"]]
-    prompt = module.tokenizer("Turn 1:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
-    base = type(module.policy.get_base_model()).from_pretrained(tiny_model_path).eval()
-    with torch.no_grad():
-        trained, plain = module.policy(input_ids=prompt).logits, base(input_ids=prompt).logits
-        last = base.model(input_ids=prompt).last_hidden_state.double()
-        x = ((last - last @ u @ u.T) / scale) @ basis
-        torch.testing.assert_close(trained[..., ids].double() - plain[..., ids].double(), x @ a[:, :k].T,
-                                   atol=1e-4, rtol=1e-4)
-        merged = policy_state_dict(module.policy, lora=True)
-        assert torch.equal(lora_a.weight.double(), a)  # the fold is undone
-        engine = type(base).from_pretrained(tiny_model_path, tie_word_embeddings=False)
-        engine.load_state_dict(merged)
-        torch.testing.assert_close(engine.eval()(input_ids=prompt).logits, trained, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"`--model.lora.head_pca` keeps directions of the whitened head's input: it "
-                                         r"needs `--model.lora.whiten_head` true, got False"):
-        LoraSettings(target_modules=["lm_head"], center_head=2, head_pca=8)
-    with pytest.raises(ValueError, match=r"`--model.lora.head_pca` must be an integer >= 0, got -1"):
-        LoraSettings(target_modules=["lm_head"], center_head=2, whiten_head=True, head_pca=-1)
-    hidden = base.config.hidden_size
-    with pytest.raises(ValueError, match=rf"`--model.lora.head_pca` must be at most the hidden size {hidden} less "
-                                         rf"`--model.lora.center_head` 2, got {hidden}"):
-        RagenModule(str(tiny_model_path), lora=LoraSettings(target_modules=["lm_head"], center_head=2,
-                                                            whiten_head=True, head_pca=hidden))
-
-
 def test_cosine_schedule_sets_each_iterations_rate(tiny_model_path):
     """`--model.optim.schedule=cosine`: after the linear warmup the actor's rate follows a half cosine down to
     `min_lr_ratio` of it at `--trainer.max_steps` (logged as `train/actor_lr`, the rate of that iteration's update);

@@ -266,9 +266,8 @@ def _sokoban_batch(model, tok, n: int = 6, **sampling) -> TrajectoryBatch:
     return batch
 
 
-@pytest.mark.parametrize("layout", [{}, {"share_prefix": False}, {"share_prefix": False, "pack": True}, {"top_k": 8},
-                                    {"head_pca": 3}],
-                         ids=["shared prefix", "padded", "packed", "top-k replayed", "pca readout"])
+@pytest.mark.parametrize("layout", [{}, {"share_prefix": False}, {"share_prefix": False, "pack": True}, {"top_k": 8}],
+                         ids=["shared prefix", "padded", "packed", "top-k replayed"])
 def test_a_head_only_update_runs_only_the_head_and_trains_the_same_weights(tiny, layout, monkeypatch):
     """Only the LM head trains (a centred, whitened LoRA readout): ``prepare`` keeps what the head read, the steps run
     only the head (no trunk position in the update), and the weights, losses and old log-probs are those of the
@@ -279,14 +278,14 @@ def test_a_head_only_update_runs_only_the_head_and_trains_the_same_weights(tiny,
 
     base, tok = tiny
     layout = dict(layout)
-    top_k, pca = layout.pop("top_k", None), layout.pop("head_pca", 0)
+    top_k = layout.pop("top_k", None)
     batch = _sokoban_batch(base, tok, **({"top_k": top_k} if top_k else {}))
     assert (batch.sampling_masks is not None) == (top_k is not None)
 
     def train(reuse: bool):
         torch.manual_seed(0)
         policy = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2,
-                                                            whiten_head=True, head_pca=pca), tok).train()
+                                                            whiten_head=True), tok).train()
         update = StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, **layout))
         if not reuse:
             monkeypatch.setattr(update, "reuses_head_inputs", lambda models: False)
