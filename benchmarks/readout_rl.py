@@ -30,7 +30,10 @@ reads one kind of position, so one direction is its shared part).
 ``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
 ``--val-temperature`` vary the rest of the rule. ``--ppo-epochs N --mini-batch M`` replace the one plain step an
 iteration with N passes of PPO's clipped steps over mini-batches of M kept turns (``--model.ppo.ppo_epochs`` and
-``--model.ppo.mini_batch_size`` of the SmolLM2 runs). For ``llm`` features, ``--model warm`` reads the config's format
+``--model.ppo.mini_batch_size`` of the SmolLM2 runs). ``--critic LR`` replaces the group's baseline with GAE
+(``--gae-lambda``, discount 1) on a linear value of the same features, trained on its lambda-returns in the same
+mini-batches (a turn-level critic; use it with ``--top-p 1``: groups whose trajectories all scored alike still teach
+it). For ``llm`` features, ``--model warm`` reads the config's format
 warm start (the runs' step 0) instead of SmolLM2 itself, ``--pca K`` keeps the K leading principal directions of
 the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs.
 
@@ -234,6 +237,8 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
     dim = features([probe]).shape[1]
     w = torch.zeros(dim + 1, 4, requires_grad=True)  # the last row is the bias
     opt = torch.optim.Adam([w], lr=lr) if args.optimizer == "adam" else torch.optim.SGD([w], lr=lr)
+    v = torch.zeros(dim + 1, requires_grad=True) if args.critic else None  # --critic: a linear value, with a bias
+    value_opt = torch.optim.Adam([v], lr=args.critic) if v is not None else None
     gen = torch.Generator().manual_seed(seed)
     shuffle = torch.Generator().manual_seed(seed)  # the mini-batch order
     val_first = data.get("val_seed", 1_000_000)
@@ -281,6 +286,9 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
         # token-mean: every turn weighs the same (the SmolLM2 runs' loss_agg); seq-mean: every trajectory does
         rows = [(x, a, float(adv[i]) * (len(turns[i]) if args.agg == "token" else 1) / len(turns[i]))
                 for i in range(len(envs)) if kept[i] for x, a in turns[i]]
+        targets = None
+        if v is not None:  # --critic: GAE on a linear value of the same features instead of the group's baseline
+            rows, targets = critic_rows(turns, score, kept, v, args.gae_lambda)
         if args.center and mean_direction is None:
             raw = torch.stack([x[:-1] for t in turns for x, _ in t])
             mean_direction = (raw.mean(0) / raw.mean(0).norm()).unsqueeze(-1)
@@ -313,9 +321,43 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
+                    if v is not None:
+                        value_opt.zero_grad()
+                        (x @ v - targets[idx]).pow(2).mean().backward()
+                        value_opt.step()
         if it % args.eval_every == 0:
             curve.append(evaluate())
     return curve, train
+
+
+def critic_rows(turns, score, kept, v, lam: float):
+    """Turn rows ``(x, action, advantage)`` of the kept trajectories with GAE (discount 1, ``lam``) on the linear value
+    ``x @ v`` (the episode's score as the reward of its last turn: FrozenLake's only reward), advantages normalised
+    over the rows; and the value targets (the lambda-returns)."""
+    import torch
+
+    rows, targets, advantages = [], [], []
+    for i, trajectory in enumerate(turns):
+        if not kept[i] or not trajectory:
+            continue
+        xs = torch.stack([x for x, _ in trajectory])
+        with torch.no_grad():
+            values = xs @ v
+        rewards = torch.zeros(len(xs))
+        rewards[-1] = score[i]
+        delta = rewards + torch.cat([values[1:], values.new_zeros(1)]) - values
+        adv, running = torch.zeros(len(xs)), 0.0
+        for t in range(len(xs) - 1, -1, -1):
+            running = float(delta[t]) + lam * running
+            adv[t] = running
+        advantages.append(adv)
+        targets.append(adv + values)
+        rows += [(x, a) for x, a in trajectory]
+    if not rows:
+        return [], None
+    adv = torch.cat(advantages)
+    adv = (adv - adv.mean()) / (adv.std() + 1e-6) if len(adv) > 1 else adv
+    return [(x, a, float(g)) for (x, a), g in zip(rows, adv)], torch.cat(targets)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -356,12 +398,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pca", type=int, default=None, metavar="K",
                         help="llm features: keep the K leading principal directions of the standardised states (over "
                         "the same 256 first boards), each scaled to unit variance, instead of all of them")
+    parser.add_argument("--critic", type=float, default=None, metavar="LR",
+                        help="advantages from GAE on a linear value of the same features (Adam at LR, trained on the "
+                        "lambda-returns in the same mini-batches) instead of the group's mean")
+    parser.add_argument("--gae-lambda", type=float, default=1.0, help="--critic: GAE's lambda (discount 1)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's kept turns")
     parser.add_argument("--mini-batch", type=int, default=None,
                         help="turns per optimiser step (default: all kept turns of the iteration, one step a pass)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     optional = [name for name in ("mini_batch", "pca") if getattr(args, name) is not None]
+    if args.critic is not None and not args.critic > 0:
+        parser.error(f"--critic must be a learning rate > 0, got {args.critic}")
+    if not 0 <= args.gae_lambda <= 1:
+        parser.error(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
     for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *optional):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

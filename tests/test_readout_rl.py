@@ -19,12 +19,14 @@ def readout_rl(monkeypatch):
     return import_benchmark(monkeypatch, "readout_rl")
 
 
-@pytest.mark.parametrize("flags, lr", [([], 0.1), (["--ppo-epochs", "4", "--mini-batch", "8"], 0.03)])
+@pytest.mark.parametrize("flags, lr", [([], 0.1), (["--ppo-epochs", "4", "--mini-batch", "8"], 0.03),
+                                       (["--critic", "0.1", "--gae-lambda", "0.5", "--top-p", "1"], 0.1)])
 def test_learns_a_fixed_map(readout_rl, flags, lr):
     """One map, always the same (3x3, no holes, corner start and goal, no slip): the player's cell one-hot is the whole
     state, so the linear policy is a table and GRPO must find the way. Uniform play wins 0.09 with 6 actions; after
     10 iterations the policy won 0.92-0.98 on seeds 0-4 (one step an iteration; with 4 passes of mini-batches of 8 at
-    lr 0.03: 1.00 on each), so 0.6 leaves room for another float path."""
+    lr 0.03: 1.00 on each; with the linear critic's GAE instead of the group baseline: 0.94-1.00), so 0.6 leaves room
+    for another float path."""
     cfg = {"data": {"env": {"class_path": "ragen_pl.envs.frozen_lake.FrozenLake",
                             "init_args": {"size": 3, "slippery": False, "layout": "corners", "frozen_prob": 1.0}},
                     "rollout": {"max_actions_per_episode": 6}, "val_episodes": 16, "val_seed": 1_000_000}}
@@ -102,7 +104,24 @@ def test_pca_basis_whitens_the_leading_directions(readout_rl):
     assert abs(float(directions[:, 1] @ rotation[:, 1])) > 0.99
 
 
+def test_critic_rows_are_gae_on_the_linear_value(readout_rl):
+    """``--critic``: GAE with discount 1 on ``x @ v``, the episode's score as its last turn's reward, by hand: values
+    0.2, 0.5, 0.1 and score 1 give deltas 0.3, -0.4, 0.9, so with lambda 0.5 the advantages are 0.325, 0.05, 0.9 and
+    the targets (advantage + value) 0.525, 0.55, 1.0; a trajectory the filter dropped gives no row; the advantages
+    are normalised over the rows."""
+    v = torch.tensor([0.2, 0.5, 0.1, 0.0])
+    xs = torch.eye(4)
+    turns = [[(xs[0], 1), (xs[1], 2), (xs[2], 0)], [(xs[3], 3)]]
+    rows, targets = readout_rl.critic_rows(turns, [1.0, 1.0], torch.tensor([True, False]), v, 0.5)
+    torch.testing.assert_close(targets, torch.tensor([0.525, 0.55, 1.0]))
+    adv = torch.tensor([0.325, 0.05, 0.9])
+    torch.testing.assert_close(torch.tensor([r[2] for r in rows]), (adv - adv.mean()) / (adv.std() + 1e-6))
+    assert [r[1] for r in rows] == [1, 2, 0] and all(torch.equal(r[0], x) for r, x in zip(rows, xs))
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--critic", "0"], "--critic must be a learning rate > 0"),
+    (["--gae-lambda", "1.5"], r"--gae-lambda must be in \[0, 1\]"),
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
     (["--mini-batch", "0"], "--mini-batch must be >= 1"),
