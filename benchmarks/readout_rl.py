@@ -401,17 +401,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--critic", type=float, default=None, metavar="LR",
                         help="advantages from GAE on a linear value of the same features (Adam at LR, trained on the "
                         "lambda-returns in the same mini-batches) instead of the group's mean")
-    parser.add_argument("--gae-lambda", type=float, default=1.0, help="--critic: GAE's lambda (discount 1)")
+    parser.add_argument("--gae-lambda", type=float, default=None, help="--critic: GAE's lambda (discount 1; default 1)")
     parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each iteration's kept turns")
     parser.add_argument("--mini-batch", type=int, default=None,
                         help="turns per optimiser step (default: all kept turns of the iteration, one step a pass)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     optional = [name for name in ("mini_batch", "pca") if getattr(args, name) is not None]
-    if args.critic is not None and not args.critic > 0:
-        parser.error(f"--critic must be a learning rate > 0, got {args.critic}")
-    if not 0 <= args.gae_lambda <= 1:
-        parser.error(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+    if args.critic is None:
+        if args.gae_lambda is not None:
+            parser.error("--gae-lambda is GAE's, which only --critic uses; give --critic LR too")
+    else:
+        if not args.critic > 0:
+            parser.error(f"--critic must be a learning rate > 0, got {args.critic}")
+        if args.gae_lambda is None:
+            args.gae_lambda = 1.0
+        if not 0 <= args.gae_lambda <= 1:
+            parser.error(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+        for flag, used in (("--agg seq", args.agg == "seq"), ("--center", args.center)):
+            if used:
+                parser.error(f"{flag} is not supported with --critic (each turn has its own advantage there)")
     for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *optional):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

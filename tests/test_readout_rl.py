@@ -121,7 +121,9 @@ def test_critic_rows_are_gae_on_the_linear_value(readout_rl):
 
 @pytest.mark.parametrize("flags, message", [
     (["--critic", "0"], "--critic must be a learning rate > 0"),
-    (["--gae-lambda", "1.5"], r"--gae-lambda must be in \[0, 1\]"),
+    (["--critic", "0.1", "--gae-lambda", "1.5"], r"--gae-lambda must be in \[0, 1\]"),
+    (["--gae-lambda", "0.5"], "--gae-lambda is GAE's, which only --critic uses"),
+    (["--critic", "0.1", "--agg", "seq"], "--agg seq is not supported with --critic"),
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
     (["--mini-batch", "0"], "--mini-batch must be >= 1"),
