@@ -284,11 +284,12 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
         std = torch.stack([scores[gid == g].std() for g in range(args.n_groups)])
         kept = select_groups(std, "top_p", args.top_p)[gid]
         # token-mean: every turn weighs the same (the SmolLM2 runs' loss_agg); seq-mean: every trajectory does
-        rows = [(x, a, float(adv[i]) * (len(turns[i]) if args.agg == "token" else 1) / len(turns[i]))
-                for i in range(len(envs)) if kept[i] for x, a in turns[i]]
         targets = None
         if v is not None:  # --critic: GAE on a linear value of the same features instead of the group's baseline
             rows, targets = critic_rows(turns, score, kept, v, args.gae_lambda)
+        else:
+            rows = [(x, a, float(adv[i]) * (len(turns[i]) if args.agg == "token" else 1) / len(turns[i]))
+                    for i in range(len(envs)) if kept[i] for x, a in turns[i]]
         if args.center and mean_direction is None:
             raw = torch.stack([x[:-1] for t in turns for x, _ in t])
             mean_direction = (raw.mean(0) / raw.mean(0).norm()).unsqueeze(-1)
@@ -336,6 +337,8 @@ def critic_rows(turns, score, kept, v, lam: float):
     over the rows; and the value targets (the lambda-returns)."""
     import torch
 
+    from ragen_pl.advantages import gae
+
     rows, targets, advantages = [], [], []
     for i, trajectory in enumerate(turns):
         if not kept[i] or not trajectory:
@@ -343,15 +346,11 @@ def critic_rows(turns, score, kept, v, lam: float):
         xs = torch.stack([x for x, _ in trajectory])
         with torch.no_grad():
             values = xs @ v
-        rewards = torch.zeros(len(xs))
-        rewards[-1] = score[i]
-        delta = rewards + torch.cat([values[1:], values.new_zeros(1)]) - values
-        adv, running = torch.zeros(len(xs)), 0.0
-        for t in range(len(xs) - 1, -1, -1):
-            running = float(delta[t]) + lam * running
-            adv[t] = running
-        advantages.append(adv)
-        targets.append(adv + values)
+        rewards = torch.zeros(1, len(xs))
+        rewards[0, -1] = score[i]
+        adv, returns = gae(rewards, values[None], torch.ones(1, len(xs), dtype=torch.bool), lam=lam)
+        advantages.append(adv[0])
+        targets.append(returns[0])
         rows += [(x, a) for x, a in trajectory]
     if not rows:
         return [], None
