@@ -3,13 +3,15 @@
 Float results differ between CPUs (a warm start or a sampled token can change), so a learning test must hold for
 any of them. Each seed builds the tiny model and its warm start with that seed (another tokenizer, other weights,
 other demonstrations), then trains the quickstart with ``seed_everything`` = that seed, and prints the evaluation
-success per env at step 0 and at the end. ``tests/test_quickstart.py`` takes its margins from this table.
+success per env at step 0 and at the end, and how far the training success rose (the first iteration to the mean of
+the last 3). ``tests/test_quickstart.py`` takes its margins from this table.
 
     python benchmarks/learning_seeds.py [--seeds 0 1 2 3 4] [--steps 20] [--val-episodes 64]
         [--config configs/variants/grpo.yaml] [--keep DIR] [ragen-pl fit flags, e.g. --model.ppo.entropy_coeff=0.001]
 
 ``--config`` adds a config on top of the quickstart (e.g. the GRPO variant); ``--keep DIR`` copies each run's
-metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs).
+metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs), and
+``--from-kept DIR`` prints the table of such runs again without training.
 """
 
 from __future__ import annotations
@@ -40,18 +42,22 @@ def fit_seed(seed: int, steps: int, val_episodes: int, extra: list[str], save_di
     return next(save_dir.glob("*/version_*/metrics.csv"))
 
 
-def eval_success(metrics: Path) -> dict[str, tuple[float, float]]:
-    """env tag -> (evaluation success at step 0, at the end)."""
+def eval_success(metrics: Path) -> dict[str, tuple[float, float, float]]:
+    """env tag -> (evaluation success at step 0, at the end, and the training success's rise: the mean of the last 3
+    iterations less the first; the training rollouts sample at temperature 1, the evaluation at the config's)."""
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     result = {}
     for key in sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/success")}):
+        env = key.split("/")[1]
         curve = [float(r[key]) for r in rows if r.get(key)]
-        result[key.split("/")[1]] = (curve[0], curve[-1])
+        train = [float(r[f"rollout/{env}/success"]) for r in rows if r.get(f"rollout/{env}/success")]
+        result[env] = (curve[0], curve[-1], sum(train[-3:]) / len(train[-3:]) - train[0])
     return result
 
 
-def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path | None) -> dict[str, tuple[float, float]]:
+def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path | None
+        ) -> dict[str, tuple[float, float, float]]:
     metrics = fit_seed(seed, steps, val_episodes, extra, Path(tempfile.mkdtemp(prefix=f"ragen-pl-seed{seed}-")))
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -66,20 +72,30 @@ def main() -> None:
     parser.add_argument("--val-episodes", type=int, default=64)
     parser.add_argument("--config", action="append", default=[], help="extra config on top of the quickstart")
     parser.add_argument("--keep", type=Path, default=None, help="copy each run's metrics.csv here")
+    parser.add_argument("--from-kept", type=Path, default=None, metavar="DIR",
+                        help="print the table of the runs --keep DIR kept (seeds --seeds) instead of training")
     args, flags = parser.parse_known_args()  # anything else goes to `ragen-pl fit`, after the configs
     extra = [*(a for c in args.config for a in ("--config", c)), *flags]
     table = {}
     for seed in args.seeds:
         start = time.perf_counter()
-        table[seed] = run(seed, args.steps, args.val_episodes, extra, args.keep)
-        cells = "  ".join(f"{env} {a:.3f} -> {b:.3f}" for env, (a, b) in table[seed].items())
-        print(f"seed {seed}: {cells}  ({time.perf_counter() - start:.0f}s with the warm start)", flush=True)
+        if args.from_kept is None:
+            table[seed] = run(seed, args.steps, args.val_episodes, extra, args.keep)
+        elif (args.from_kept / f"seed{seed}.csv").exists():
+            table[seed] = eval_success(args.from_kept / f"seed{seed}.csv")
+        else:
+            raise SystemExit(f"error: --from-kept {args.from_kept}: no seed{seed}.csv there (give the --seeds it kept)")
+        cells = "  ".join(f"{env} {a:.3f} -> {b:.3f} (training {t:+.3f})" for env, (a, b, t) in table[seed].items())
+        took = f"  ({time.perf_counter() - start:.0f}s with the warm start)" if args.from_kept is None else ""
+        print(f"seed {seed}: {cells}{took}", flush=True)
     for env in next(iter(table.values())):
         starts = [table[s][env][0] for s in table]
         ends = [table[s][env][1] for s in table]
         gains = [table[s][env][1] - table[s][env][0] for s in table]
+        rises = [table[s][env][2] for s in table]
         print(f"{env}: step 0 {min(starts):.3f}-{max(starts):.3f}; step {args.steps} {min(ends):.3f}-{max(ends):.3f}; "
-              f"gain {min(gains):+.3f} to {max(gains):+.3f} over {len(table)} seeds")
+              f"gain {min(gains):+.3f} to {max(gains):+.3f}; training success (first iteration to the mean of the "
+              f"last 3) {min(rises):+.3f} to {max(rises):+.3f} over {len(table)} seeds")
 
 
 if __name__ == "__main__":

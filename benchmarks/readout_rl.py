@@ -36,6 +36,13 @@ mini-batches (a turn-level critic; use it with ``--top-p 1``: groups whose traje
 it). For ``llm`` features, ``--model warm`` reads the config's format
 warm start (the runs' step 0) instead of SmolLM2 itself, ``--pca K`` keeps the K leading principal directions of
 the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs.
+``--head runs`` reads the states as the runs' whitened head does instead of standardised (``center_head`` and
+``whiten_head`` of the config: less the k leading directions of the second moment of the hidden states at the four
+positions a first turn's answer scores, each dimension divided by its root mean square over all four), fitted on the
+first turns of 128 boards (:func:`head_geometry.scored_hidden_states`) where the runs fit it on their first
+micro-batch; ``--head action`` also leaves out the action position's mean and divides by the root mean square there
+only (what the head would read if fitted where an action token is sampled). With no bias of their own the runs' head
+moves every board's answer through what is left of that mean: the simulation's bias row stays in all three.
 
 Printed per feature set and learning rate: evaluation success every ``--eval-every`` iterations (mean over
 ``--seeds``), and the first iteration (and trajectories) at which the mean reaches the random policy's success
@@ -140,7 +147,7 @@ class Hidden:
     """SmolLM2's hidden state at the last prompt token of each board's rollout prompt, computed once per board."""
 
     def __init__(self, cfg: dict, layer: int, standardise_on: list, pca: int | None = None, model: str = "raw",
-                 env: str = "frozenlake", cache: str | None = None) -> None:
+                 env: str = "frozenlake", cache: str | None = None, head: str = "standardised") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -149,6 +156,9 @@ class Hidden:
         path = build_smollm2_warm(env, progress=False) if model == "warm" else build_smollm2()
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
         self.tok = AutoTokenizer.from_pretrained(path)
+        if head != "standardised" and layer != self.model.config.num_hidden_layers:
+            raise SystemExit(f"error: --head {head} reads the last hidden state, what the head reads: --layer must be "
+                             f"{self.model.config.num_hidden_layers}, got {layer}")
         self.cfg, self.layer, self.known = cfg, layer, {}
         self.cache, self.source = (Path(cache) if cache else None), {"model": Path(path).name, "layer": layer, "env": env}
         if self.cache is not None and self.cache.exists():
@@ -157,9 +167,17 @@ class Hidden:
                 raise SystemExit(f"error: --feature-cache {self.cache}: holds states of {saved.get('source')}, not of "
                                  f"{self.source}; give another file")
             self.known = saved["states"]
-        self.mean = self.std = self.basis = None
+        self.scored = saved.get("scored") if self.cache is not None and self.cache.exists() else None
+        self.mean = self.std = self.basis = self.head = None
         x = self(standardise_on)
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
+        if head != "standardised":
+            if self.scored is None:
+                from head_geometry import scored_hidden_states
+
+                self.scored, _ = scored_hidden_states(self.model, self.tok, cfg, range(128),
+                                                      torch.Generator().manual_seed(0))
+            self.head = head_input(self.scored.double(), cfg["model"]["lora"]["center_head"], head == "action")
         if pca is not None:
             self.basis = pca_basis((x - self.mean) / self.std, pca)
         self.size, self.spread = float(x.abs().mean()), float(x.std(0).mean())
@@ -172,7 +190,8 @@ class Hidden:
 
         if self.cache is not None:
             self.cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"source": self.source, "states": self.known}, self.cache)
+            torch.save({"source": self.source, "states": self.known,
+                        **({"scored": self.scored} if self.scored is not None else {})}, self.cache)
 
     def __call__(self, envs) -> torch.Tensor:
         import torch
@@ -187,8 +206,30 @@ class Hidden:
         x = torch.stack([self.known[o] for o in obs])
         if self.mean is None:
             return x
+        if self.head is not None:
+            from ragen_pl.lora import project_out
+
+            directions, scale = self.head
+            return project_out(x.double(), directions).float() / scale.float()
         x = (x - self.mean) / self.std
         return x if self.basis is None else x @ self.basis
+
+
+def head_input(h: torch.Tensor, k: int, at_action: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (H, k) directions and (H,) scale of the runs' whitened head fitted on ``h`` (boards, positions, H: the
+    scored positions of first turns, the action position first), with :mod:`ragen_pl.lora`'s own functions;
+    ``at_action``: one more direction, the action position's mean less its part along the k, and the scale over the
+    action position only."""
+    import torch
+
+    from ragen_pl.lora import project_out, root_mean_square, shared_directions
+
+    directions = shared_directions(h, k)
+    if not at_action:
+        return directions, root_mean_square(project_out(h.reshape(-1, h.shape[-1]), directions))
+    mean = project_out(h[:, 0], directions).mean(0)
+    directions = torch.cat([directions, (mean / mean.norm()).unsqueeze(-1)], 1)
+    return directions, root_mean_square(project_out(h[:, 0], directions))
 
 
 def play(envs, features, w, temperature: float, gen, budget: int):
@@ -397,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pca", type=int, default=None, metavar="K",
                         help="llm features: keep the K leading principal directions of the standardised states (over "
                         "the same 256 first boards), each scaled to unit variance, instead of all of them")
+    parser.add_argument("--head", choices=("standardised", "runs", "action"), default="standardised",
+                        help="llm features: standardised, or as the runs' whitened head reads them (runs), or as it "
+                        "would if fitted where the action is sampled (action); see the module's docstring")
     parser.add_argument("--critic", type=float, default=None, metavar="LR",
                         help="advantages from GAE on a linear value of the same features (Adam at LR, trained on the "
                         "lambda-returns in the same mini-batches) instead of the group's mean")
@@ -420,6 +464,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for flag, used in (("--agg seq", args.agg == "seq"), ("--center", args.center)):
             if used:
                 parser.error(f"{flag} is not supported with --critic (each turn has its own advantage there)")
+    if args.head != "standardised":
+        for flag, used in (("--pca", args.pca is not None), ("--common", args.common is not None),
+                           ("--center", args.center)):
+            if used:
+                parser.error(f"--head {args.head} reads the states as the runs' head does; {flag} is another reading "
+                             f"of them: give one")
     for name in ("iterations", "eval_every", "n_groups", "plays", "ppo_epochs", *optional):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -452,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             envs = [make_env(cfg["data"]["env"]) for _ in range(256)]
             for i, env in enumerate(envs):
                 env.reset(random.Random(i).randrange(10**6))
-            features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache)
+            features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache, args.head)
             print(f"  SmolLM2 layer {args.layer} over {len(envs)} first boards: a dimension's mean size "
                   f"{features.size:.3f}, its standard deviation across boards {features.spread:.3f} "
                   f"({features.spread / features.size:.3f} of it)", flush=True)

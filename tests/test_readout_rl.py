@@ -128,6 +128,8 @@ def test_critic_rows_are_gae_on_the_linear_value(readout_rl):
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
     (["--mini-batch", "0"], "--mini-batch must be >= 1"),
     (["--pca", "0"], "--pca must be >= 1"),
+    (["--head", "runs", "--pca", "8"], "--head runs reads the states as the runs' head does; --pca is another"),
+    (["--head", "action", "--center"], "--head action reads .*; --center is another"),
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
 ])
@@ -159,3 +161,50 @@ def test_feature_cache_is_reused_and_refused_for_another_source(readout_rl, tiny
     with pytest.raises(SystemExit, match=r"^error: --feature-cache .*states\.pt: holds states of .*'layer': 1.*"
                                          r"give another file$"):
         readout_rl.Hidden(cfg, 2, boards, cache=str(cache))
+
+
+def test_head_input_by_hand(readout_rl):
+    """``--head``: what the runs' whitened head reads, on states of 2 boards x 2 scored positions, hand-derived.
+    h = [10, x, y]: x is (2, 0) at the action position and (-1, -1) after it, y is (1, -1) and (2, -2). The second
+    moment is diag(400) beside [[6, 2], [2, 10]] with no cross term to e1, so its leading direction is e1; less it,
+    the rows are (0, x, y), whose root mean squares over all 4 are sqrt(6/4) and sqrt(10/4) (the first, 0, is floored
+    to 0.01 of the mean). Fitted at the action: its rows less e1 have mean (0, 1, 0), so e2 goes too, and what is
+    left is y = +-1: scale 1 there, the floor 0.01/3 elsewhere."""
+    h = torch.tensor([[[10, 2, 1], [10, -1, 2]], [[10, 0, -1], [10, -1, -2]]], dtype=torch.float64)
+    directions, scale = readout_rl.head_input(h, 1, at_action=False)
+    torch.testing.assert_close(directions.abs(), torch.tensor([[1.0], [0.0], [0.0]], dtype=torch.float64))
+    rms = [1.5 ** 0.5, 2.5 ** 0.5]
+    torch.testing.assert_close(scale, torch.tensor([0.01 * sum(rms) / 3, *rms], dtype=torch.float64))
+    directions, scale = readout_rl.head_input(h, 1, at_action=True)
+    torch.testing.assert_close(directions.abs(), torch.eye(3, dtype=torch.float64)[:, :2])
+    torch.testing.assert_close(scale, torch.tensor([0.01 / 3, 0.01 / 3, 1.0], dtype=torch.float64))
+
+
+def test_head_reading_of_the_states_is_cached(readout_rl, tiny_model_path, monkeypatch, tmp_path):
+    """``--head runs``: the states come out as ``(h - U U^T h) / s`` of :func:`head_input` fitted on 128 boards' first
+    turns, which the feature cache keeps (the second reading runs no model); a layer other than the last, which the
+    head does not read, is refused in one line."""
+    import ragen_pl.models.smollm2
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.lora import project_out
+
+    monkeypatch.setattr(ragen_pl.models.smollm2, "build_smollm2", lambda: tiny_model_path)
+    cfg = readout_rl.load_config("frozenlake")
+    boards = []
+    for seed in range(3):
+        boards.append(FrozenLake(size=4, cell_separator=" "))
+        boards[-1].reset(seed)
+    cache = tmp_path / "states.pt"
+    first = readout_rl.Hidden(cfg, 2, boards, cache=str(cache), head="runs")
+    assert first.scored.shape[0] == 128 and first.scored.shape[1] >= 2  # the action, then the closing tag's tokens
+    directions, scale = readout_rl.head_input(first.scored.double(), cfg["model"]["lora"]["center_head"], False)
+    raw = torch.stack([first.known[b.render()] for b in boards]).double()
+    torch.testing.assert_close(first(boards), (project_out(raw, directions) / scale).float())
+    first.save()
+    import head_geometry
+    monkeypatch.setattr(head_geometry, "scored_hidden_states", lambda *a: pytest.fail("the cache held them"))
+    again = readout_rl.Hidden(cfg, 2, boards, cache=str(cache), head="runs")
+    torch.testing.assert_close(again(boards), first(boards))
+    with pytest.raises(SystemExit, match=r"^error: --head runs reads the last hidden state, what the head reads: "
+                                         r"--layer must be 2, got 1$"):
+        readout_rl.Hidden(cfg, 1, boards, head="runs")
