@@ -19,6 +19,20 @@ def readout_rl(monkeypatch):
     return import_benchmark(monkeypatch, "readout_rl")
 
 
+@pytest.fixture
+def tiny_boards(readout_rl, tiny_model_path, monkeypatch):
+    """The FrozenLake config and 3 of its boards, with the tiny model standing in for SmolLM2."""
+    import ragen_pl.models.smollm2
+    from ragen_pl.envs.frozen_lake import FrozenLake
+
+    monkeypatch.setattr(ragen_pl.models.smollm2, "build_smollm2", lambda: tiny_model_path)
+    boards = []
+    for seed in range(3):
+        boards.append(FrozenLake(size=4, cell_separator=" "))
+        boards[-1].reset(seed)
+    return readout_rl.load_config("frozenlake"), boards
+
+
 @pytest.mark.parametrize("flags, lr", [([], 0.1), (["--ppo-epochs", "4", "--mini-batch", "8"], 0.03),
                                        (["--critic", "0.1", "--gae-lambda", "0.5", "--top-p", "1"], 0.1)])
 def test_learns_a_fixed_map(readout_rl, flags, lr):
@@ -139,18 +153,10 @@ def test_bad_flags_refused(readout_rl, capsys, flags, message):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_feature_cache_is_reused_and_refused_for_another_source(readout_rl, tiny_model_path, tmp_path, monkeypatch):
+def test_feature_cache_is_reused_and_refused_for_another_source(readout_rl, tiny_boards, tmp_path):
     """``--feature-cache``: the states of one model and layer come back from the file instead of the model, and a
     file of another layer is refused in one line naming the flag (it used to be read whatever it held)."""
-    import ragen_pl.models.smollm2
-    from ragen_pl.envs.frozen_lake import FrozenLake
-
-    monkeypatch.setattr(ragen_pl.models.smollm2, "build_smollm2", lambda: tiny_model_path)
-    cfg = readout_rl.load_config("frozenlake")
-    boards = []
-    for seed in range(3):
-        boards.append(FrozenLake(size=4, cell_separator=" "))
-        boards[-1].reset(seed)
+    cfg, boards = tiny_boards
     cache = tmp_path / "states.pt"
     first = readout_rl.Hidden(cfg, 1, boards, cache=str(cache))
     first.save()
@@ -180,20 +186,13 @@ def test_head_input_by_hand(readout_rl):
     torch.testing.assert_close(scale, torch.tensor([0.01 / 3, 0.01 / 3, 1.0], dtype=torch.float64))
 
 
-def test_head_reading_of_the_states_is_cached(readout_rl, tiny_model_path, monkeypatch, tmp_path):
+def test_head_reading_of_the_states_is_cached(readout_rl, tiny_boards, monkeypatch, tmp_path):
     """``--head runs``: the states come out as ``(h - U U^T h) / s`` of :func:`head_input` fitted on 128 boards' first
     turns, which the feature cache keeps (the second reading runs no model); a layer other than the last, which the
     head does not read, is refused in one line."""
-    import ragen_pl.models.smollm2
-    from ragen_pl.envs.frozen_lake import FrozenLake
     from ragen_pl.lora import project_out
 
-    monkeypatch.setattr(ragen_pl.models.smollm2, "build_smollm2", lambda: tiny_model_path)
-    cfg = readout_rl.load_config("frozenlake")
-    boards = []
-    for seed in range(3):
-        boards.append(FrozenLake(size=4, cell_separator=" "))
-        boards[-1].reset(seed)
+    cfg, boards = tiny_boards
     cache = tmp_path / "states.pt"
     first = readout_rl.Hidden(cfg, 2, boards, cache=str(cache), head="runs")
     assert first.scored.shape[0] == 128 and first.scored.shape[1] >= 2  # the action, then the closing tag's tokens
