@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             runs.append({"folder": folder, "success": eval_success(metrics), "alarms": alarm_steps(metrics),
                          "curves": curves(metrics)})
             print(f"[{time.perf_counter() - start:6.0f}s] {name}, seed {seed}: "
-                  + ", ".join(f"{env} {a:.2f} -> {b:.2f}" for env, (a, b) in runs[-1]["success"].items())
+                  + ", ".join(f"{env} {a:.2f} -> {b:.2f}" for env, (a, b, _) in runs[-1]["success"].items())
                   + (f"; Echo Trap alarm at {runs[-1]['alarms']}" if runs[-1]["alarms"] else "")
                   + f" ({time.perf_counter() - t0:.0f}s)", flush=True)
         results[name] = {"runs": runs, "claim": claim}

@@ -19,7 +19,7 @@ def test_findings_quick(tmp_path, capsys, monkeypatch):
     for r in results.values():
         (run,) = r["runs"]
         assert set(run["success"]) == {"Bandit", "FrozenLakeNoSlip"}
-        assert all(0.0 <= v <= 1.0 for pair in run["success"].values() for v in pair)
+        assert all(0.0 <= v <= 1.0 and -1.0 <= rise <= 1.0 for v0, v1, rise in run["success"].values() for v in (v0, v1))
     out = capsys.readouterr().out
     assert "| condition | Bandit | FrozenLakeNoSlip | Echo Trap alarm (collapse) | the paper |" in out
     assert "| GRPO |" in out
