@@ -29,11 +29,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from real_llm import load_config, make_env  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 
 def scored_hidden_states(model, tok, cfg: dict, seeds: range, generator) -> tuple:
@@ -61,6 +65,23 @@ def scored_hidden_states(model, tok, cfg: dict, seeds: range, generator) -> tupl
     return torch.stack(states), actions
 
 
+def head_input(h: torch.Tensor, k: int, at_action: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (H, k) directions and (H,) scale of the runs' whitened head fitted on ``h`` (boards, positions, H: the
+    scored positions of first turns, the action position first), with :mod:`ragen_pl.lora`'s own functions;
+    ``at_action``: one more direction, the action position's mean less its part along the k, and the scale over the
+    action position only."""
+    import torch
+
+    from ragen_pl.lora import project_out, root_mean_square, shared_directions
+
+    directions = shared_directions(h, k)
+    if not at_action:
+        return directions, root_mean_square(project_out(h.reshape(-1, h.shape[-1]), directions))
+    mean = project_out(h[:, 0], directions).mean(0)
+    directions = torch.cat([directions, (mean / mean.norm()).unsqueeze(-1)], 1)
+    return directions, root_mean_square(project_out(h[:, 0], directions))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", choices=["frozenlake", "sokoban"], default="frozenlake")
@@ -74,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.lora import project_out, root_mean_square, shared_directions
+    from ragen_pl.lora import project_out, shared_directions
     from ragen_pl.models.smollm2 import build_smollm2_warm
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -104,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         directions = leading[:, :k]
         row(f"less their {k} leading direction{'s' * (k > 1)} (center_head {k})", project_out(action, directions),
             directions)
-    directions = leading[:, :4] if max(args.ks) >= 4 else shared_directions(h, 4)
-    scale = root_mean_square(project_out(h.reshape(-1, h.shape[-1]), directions))
+    directions, scale = head_input(h, 4, at_action=False)
     spread = [float((project_out(h[:, i], directions) / scale).std(0).mean()) for i in range(h.shape[1])]
     print("the whitened head's input (center_head 4, whiten_head), across-board standard deviation per dimension at "
           "each scored position: " + ", ".join(f"{x:.2f}" for x in spread) + " (the action position first; the "

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from head_geometry import head_input  # noqa: E402
 from real_llm import load_config, make_env, random_success  # noqa: E402
 
 if TYPE_CHECKING:
@@ -213,23 +214,6 @@ class Hidden:
             return project_out(x.double(), directions).float() / scale.float()
         x = (x - self.mean) / self.std
         return x if self.basis is None else x @ self.basis
-
-
-def head_input(h: torch.Tensor, k: int, at_action: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (H, k) directions and (H,) scale of the runs' whitened head fitted on ``h`` (boards, positions, H: the
-    scored positions of first turns, the action position first), with :mod:`ragen_pl.lora`'s own functions;
-    ``at_action``: one more direction, the action position's mean less its part along the k, and the scale over the
-    action position only."""
-    import torch
-
-    from ragen_pl.lora import project_out, root_mean_square, shared_directions
-
-    directions = shared_directions(h, k)
-    if not at_action:
-        return directions, root_mean_square(project_out(h.reshape(-1, h.shape[-1]), directions))
-    mean = project_out(h[:, 0], directions).mean(0)
-    directions = torch.cat([directions, (mean / mean.norm()).unsqueeze(-1)], 1)
-    return directions, root_mean_square(project_out(h[:, 0], directions))
 
 
 def play(envs, features, w, temperature: float, gen, budget: int):
