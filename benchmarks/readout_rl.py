@@ -160,15 +160,14 @@ class Hidden:
         if head != "standardised" and layer != self.model.config.num_hidden_layers:
             raise SystemExit(f"error: --head {head} reads the last hidden state, what the head reads: --layer must be "
                              f"{self.model.config.num_hidden_layers}, got {layer}")
-        self.cfg, self.layer, self.known = cfg, layer, {}
+        self.cfg, self.layer, self.known, self.scored = cfg, layer, {}, None
         self.cache, self.source = (Path(cache) if cache else None), {"model": Path(path).name, "layer": layer, "env": env}
         if self.cache is not None and self.cache.exists():
             saved = torch.load(self.cache)
             if saved.get("source") != self.source:
                 raise SystemExit(f"error: --feature-cache {self.cache}: holds states of {saved.get('source')}, not of "
                                  f"{self.source}; give another file")
-            self.known = saved["states"]
-        self.scored = saved.get("scored") if self.cache is not None and self.cache.exists() else None
+            self.known, self.scored = saved["states"], saved.get("scored")
         self.mean = self.std = self.basis = self.head = None
         x = self(standardise_on)
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
