@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import shutil
 import tempfile
 import time
@@ -44,7 +45,8 @@ def fit_seed(seed: int, steps: int, val_episodes: int, extra: list[str], save_di
 
 def eval_success(metrics: Path) -> dict[str, tuple[float, float, float]]:
     """env tag -> (evaluation success at step 0, at the end, and the training success's rise: the mean of the last 3
-    iterations less the first; the training rollouts sample at temperature 1, the evaluation at the config's)."""
+    iterations less the first, NaN for an env that is evaluated but not trained; the training rollouts sample at
+    temperature 1, the evaluation at the config's)."""
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     result = {}
@@ -52,7 +54,8 @@ def eval_success(metrics: Path) -> dict[str, tuple[float, float, float]]:
         env = key.split("/")[1]
         curve = [float(r[key]) for r in rows if r.get(key)]
         train = [float(r[f"rollout/{env}/success"]) for r in rows if r.get(f"rollout/{env}/success")]
-        result[env] = (curve[0], curve[-1], sum(train[-3:]) / len(train[-3:]) - train[0])
+        rise = sum(train[-3:]) / len(train[-3:]) - train[0] if train else math.nan
+        result[env] = (curve[0], curve[-1], rise)
     return result
 
 

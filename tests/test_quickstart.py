@@ -8,6 +8,7 @@ its range instead of a test asserting one machine's path.
 """
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,7 @@ def test_learning_seeds_reads_a_kept_run(tmp_path, monkeypatch):
             "4,,0.5", "4,0.875,"]
     (tmp_path / "seed3.csv").write_text("\n".join(rows) + "\n")
     assert learning_seeds.eval_success(tmp_path / "seed3.csv") == {"Bandit": (0.5, 0.875, 0.75 - 0.25)}
+    # An env that is evaluated but never trained has no training curve: its rise is NaN, not a crash.
+    (tmp_path / "seed4.csv").write_text("\n".join(["step,val/Sokoban/success", "0,0.25", "4,0.5"]) + "\n")
+    start, end, rise = learning_seeds.eval_success(tmp_path / "seed4.csv")["Sokoban"]
+    assert (start, end) == (0.25, 0.5) and math.isnan(rise)
