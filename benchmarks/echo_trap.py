@@ -24,6 +24,12 @@ repetition; its own thresholds, success not consulted) a second table counts the
 ``HORIZON`` steps up to the halving, with how many steps before the halving it first did, beside how often it held
 in env runs where nothing halved and the share of 6-step windows it would hold in by chance at that rate.
 
+The alarm's early warning (updates without reward variance under PPO's whitened GAE, ``no_signal_steps`` in a
+row while some env succeeds at least 0.5) gets a third table on the PPO runs: where it came, and how many steps
+before the first halving of any env; its thresholds were chosen on the held-out PPO runs at lr 3e-3 without the
+filter (seeds 3-8), so those are its tuning runs, and runs recorded since are its held-out ones. The simulated runs
+also print how often it would come there.
+
     python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100] [--icc 0.3]
 """
 
@@ -98,13 +104,16 @@ class Replay(NamedTuple):
     fired: dict[str, int]  # env tag -> the step at which the alarm fired (each env once)
     seen: dict[str, set[str]]  # env tag -> signals other than the success drop that held up to then (or the end)
     held: dict[str, dict[str, list[int]]]  # env tag -> co-signal -> every step it held at, whatever success did
+    no_signal: list[int]  # the step of the early warning (no reward variance in the updates), if it came
 
 
 def replay(run: list[dict[str, float]], alarm: EchoTrapAlarm) -> Replay:
     """Feed a run's steps to ``alarm`` as training would, and record what it did and what held when."""
-    out = Replay({}, {}, {})
+    out = Replay({}, {}, {}, [])
     for step, metrics in enumerate(run):
         alarm.observe(metrics)
+        if alarm.no_signal and not out.no_signal:
+            out.no_signal.append(step)
         for tag, held in alarm.held.items():
             signals = [k for k in held if k != "success_drop"]
             for signal in signals:
@@ -123,7 +132,7 @@ Row = tuple[str, str, "int | None", "int | None", "int | None", str]
 def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm, replayed: Replay | None = None) -> list[Row]:
     """(run, env, halving step, halving step of a collapse that lasts to the end, alarm step, other signals seen by
     then) per env of the run (``replayed``: its replay, if already made)."""
-    fired, seen, _ = replayed if replayed is not None else replay(run, make())
+    fired, seen, _, _ = replayed if replayed is not None else replay(run, make())
     rows = []
     for tag, successes in env_successes(run):
         rows.append((name, tag, halving(successes), halving(successes, to_end=True), fired.get(tag),
@@ -201,6 +210,52 @@ def lead_table(title: str, runs: list[list[dict[str, float]]], replays: list[Rep
               f"{f'held in {ever}/{len(quiet)}':>30}{share:>13.1%}{chance:>11.0%}")
 
 
+def critic_runs(runs: dict[str, list[dict[str, float]]]) -> dict[str, list[dict[str, float]]]:
+    """The runs whose advantage is the critic's (PPO's GAE): those that log a value loss, or are named PPO (the
+    recorded traces keep a few columns)."""
+    return {name: run for name, run in runs.items() if name.startswith("ppo") or any("loss/value" in m for m in run)}
+
+
+def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays: dict[str, Replay]) -> None:
+    """The early warning (no reward variance in the updates, ``no_signal_steps`` in a row) on the runs that whiten
+    the critic's advantages: per run, where it came, and how far ahead of the first halving of any env."""
+    runs = critic_runs(runs)
+    if not runs:
+        return
+    print(f"\n{title}, PPO (GAE) runs: the early warning (updates without reward variance for "
+          f"{EchoTrapAlarm().no_signal_steps} steps) against the first halving of any env")
+    print(f"  {'run':<34}{'warned at':>10}{'halved at':>10}{'to the end':>11}  verdict")
+    tally: dict[str, list] = {"halved": [0, 0, []], "lasting": [0, 0, []], "no halving": [0, 0],
+                              "no lasting collapse": [0, 0]}
+    for name, run in runs.items():
+        if not any("rollout/group_reward_std" in m or "filter/reward_std_after" in m for m in run):
+            print(f"  {name[:33]:<34}{'':>31}  not judged: no reward std logged")
+            continue
+        warned = replays[name].no_signal[0] if replays[name].no_signal else None
+        halved, lasting = (min((h for h in hs if h is not None), default=None) for hs in zip(*[
+            (halving(s), halving(s, to_end=True)) for _, s in env_successes(run)]))
+        for key, truth in (("halved", halved), ("lasting", lasting)):
+            if truth is not None:
+                tally[key][1] += 1
+                if warned is not None and warned <= truth:
+                    tally[key][0] += 1
+                    tally[key][2].append(truth - warned)
+        for key, truth in (("no halving", halved), ("no lasting collapse", lasting)):
+            if truth is None:
+                tally[key][0] += warned is not None
+                tally[key][1] += 1
+        verdict = ("quiet" if warned is None else "warned, nothing fell") if halved is None else (
+            f"ahead by {halved - warned}" if warned is not None and warned <= halved else "not ahead")
+        dash = lambda step: "-" if step is None else step  # noqa: E731
+        print(f"  {name[:33]:<34}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
+    for key, label in (("halved", "3-step halvings"), ("lasting", "lasting collapses")):
+        hit, total, leads = tally[key]
+        lead = f" (ahead by {min(leads)}-{max(leads)})" if leads else ""
+        print(f"  {label}: warned ahead of {hit}/{total}{lead}")
+    for key in ("no halving", "no lasting collapse"):
+        print(f"  runs with {key}: warned in {tally[key][0]}/{tally[key][1]}")
+
+
 def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8,
                   icc: float = 0.0, effective: bool = True) -> list[dict[str, float]]:
     """A run that learns nothing: success, answers, entropy and gradient norm all stationary. With ``icc`` > 0 each
@@ -214,6 +269,7 @@ def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 
                  for _ in range(episodes // group)]
         outcomes = [[float(rng.random() < rate) for _ in range(group)] for rate in rates]
         wins = sum(map(sum, outcomes))
+        stds = [math.sqrt(sum(x * x for x in o) / len(o) - (sum(o) / len(o)) ** 2) for o in outcomes]
         repetition = []
         for _ in range(episodes // group):
             picked = rng.choices(range(len(answers)), weights=answers, k=group)
@@ -221,17 +277,23 @@ def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 
         run.append({"rollout/Env/success": wins / episodes, "rollout/Env/episodes": float(episodes),
                     "rollout/Env/repetition": sum(repetition) / len(repetition),
                     "loss/entropy": entropy * (1 + 0.05 * rng.gauss(0, 1)),
-                    "actor/grad_norm": grad * math.exp(0.5 * rng.gauss(0, 1))})
+                    "actor/grad_norm": grad * math.exp(0.5 * rng.gauss(0, 1)),
+                    "rollout/group_reward_std": sum(stds) / len(stds)})
         if effective:
             run[-1]["rollout/Env/effective_episodes"] = effective_episodes(outcomes)
     return run
 
 
 def false_alarm_rates(runs: int, steps: int, seed: int = 0, make=EchoTrapAlarm, icc: float = 0.0,
-                      effective: bool = True) -> dict[float, float]:
-    """Success level -> share of simulated no-learning runs on which the alarm fired."""
+                      effective: bool = True, early: bool = False) -> dict[float, float]:
+    """Success level -> share of simulated no-learning runs on which the alarm fired (``early``: on which the early
+    warning came, as it would in a PPO run whose groups had those rewards)."""
     rng = random.Random(seed)
-    return {level: sum(bool(replay(simulated_run(level, steps, rng, icc=icc, effective=effective), make()).fired)
+
+    def fired(done: Replay) -> bool:
+        return bool(done.no_signal if early else done.fired)
+
+    return {level: sum(fired(replay(simulated_run(level, steps, rng, icc=icc, effective=effective), make()))
                        for _ in range(runs)) / runs for level in LEVELS}
 
 
@@ -260,6 +322,7 @@ def main() -> None:
         replays = [replay(run, EchoTrapAlarm()) for run in runs.values()]
         print_table(title, [r for (name, run), done in zip(runs.items(), replays) for r in judge(name, run, replayed=done)])
         lead_table(title.split(" (")[0], list(runs.values()), replays)
+        no_signal_table(title.split(" (")[0], runs, dict(zip(runs, replays)))
 
     if not args.simulated:
         return
@@ -270,6 +333,10 @@ def main() -> None:
                                   (args.icc, True, f"a board per group, icc {args.icc}"),
                                   (args.icc, False, f"a board per group, icc {args.icc}, episodes as independent")):
         rates = false_alarm_rates(args.simulated, args.steps, icc=icc, effective=effective)
+        print(f"  {label:<54}" + "  ".join(f"{rate:>5.1%}" for rate in rates.values()), flush=True)
+    for icc, label in ((0.0, "early warning, one board for all groups"),
+                       (args.icc, f"early warning, a board per group, icc {args.icc}")):
+        rates = false_alarm_rates(args.simulated, args.steps, icc=icc, early=True)
         print(f"  {label:<54}" + "  ".join(f"{rate:>5.1%}" for rate in rates.values()), flush=True)
 
 

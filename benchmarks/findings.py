@@ -78,11 +78,19 @@ COLLAPSE_CONDITIONS: dict[str, tuple[list[str], str]] = {
                             "vanilla StarPO's KL term"),
     "no filter, symmetric clip 0.2": (["--data.filter.init_args.top_p=1.0", "--model.ppo.clip_high=0.2"],
                                       "clip-higher (0.28) helps stability"),
+    # Where the batch carries no reward variance, whitened GAE advantages are the critic's error scaled to unit size:
+    # an update on noise. These two remove only that (2026-12-05): nothing kept from a group whose rewards are all
+    # equal (RAGEN-2's filters without zero-variance groups), or advantages left at the returns' own scale.
+    "drop zero-variance groups": (["--data.filter=ragen_pl.filters.DropZeroVariance"],
+                                  "RAGEN-2: groups without reward variance carry no signal"),
+    "no filter, not whitened": (["--data.filter.init_args.top_p=1.0", "--model.advantage.init_args.whiten=false"],
+                                "(not in the paper)"),
 }
 COLLAPSE_COMPARISONS = {
     "filter": [COLLAPSE_NONE, "filter top_p 0.75", "filter top_p 0.5", "filter top_p 0.25"],
     "kl": [COLLAPSE_NONE, "no filter, KL 0.001"],
     "clip": [COLLAPSE_NONE, "no filter, symmetric clip 0.2"],
+    "noise": [COLLAPSE_NONE, "drop zero-variance groups", "no filter, not whitened"],
 }
 
 

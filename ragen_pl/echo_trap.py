@@ -47,6 +47,16 @@ class EchoTrapAlarm(Callback):
     held-out ones, and its false alarms on simulated runs with no learning at several success levels.
     In a multi-process run ``episodes`` is a per-process mean, so the test counts fewer episodes than were
     played: less sensitive, never more.
+
+    Apart from the alarm, one early warning: where the advantage is the critic's, whitened over the batch (PPO's
+    GAE, the default), a batch whose kept groups carry no reward variance (``filter/reward_std_after``, else
+    ``rollout/group_reward_std``, at most ``no_signal_std``) is trained on the critic's error scaled to unit size,
+    an update on noise. While some env succeeds at least ``no_signal_success`` (the run has learned something it
+    can lose; below it, a run on boards too hard for it has no variance either, and nothing to lose), and that holds
+    ``no_signal_steps`` steps in a row, it warns once and logs
+    ``echo_trap/no_signal`` (``benchmarks/echo_trap.py`` prints how far ahead of the recorded PPO collapses it held
+    and where it held without one). A filter that keeps no such group (``DropZeroVariance``, ``SNR`` with
+    ``include_zero: false``) removes the cause.
     """
 
     def __init__(
@@ -65,6 +75,9 @@ class EchoTrapAlarm(Callback):
         min_signals: int = 1,
         patience: int = 2,
         action: Literal["warn", "checkpoint", "stop"] = "warn",
+        no_signal_steps: int = 2,
+        no_signal_std: float = 0.02,
+        no_signal_success: float = 0.5,
     ) -> None:
         """
         Args:
@@ -82,6 +95,9 @@ class EchoTrapAlarm(Callback):
             min_signals: signals that must hold together, the success drop included.
             patience: consecutive steps they must hold.
             action: what to do when it fires.
+            no_signal_steps: warn after this many steps in a row without reward variance in the update (0: never).
+            no_signal_std: a batch's mean in-group reward std at or below this counts as none ...
+            no_signal_success: ... while some env's training success is at least this.
         """
         if action not in ("warn", "checkpoint", "stop"):
             raise ValueError(f"`EchoTrapAlarm.action` must be warn, checkpoint or stop, got {action!r}")
@@ -95,7 +111,15 @@ class EchoTrapAlarm(Callback):
         self.repetition_margin = repetition_margin
         self.entropy_ratio, self.spike_ratio = entropy_ratio, spike_ratio
         self.mi_ratio, self.mi_floor = mi_ratio, mi_floor
+        if no_signal_steps < 0 or no_signal_std < 0:
+            raise ValueError(f"`EchoTrapAlarm` needs no_signal_steps >= 0 and no_signal_std >= 0; got "
+                             f"{no_signal_steps}, {no_signal_std}")
         self.min_signals, self.patience, self.action = min_signals, patience, action
+        self.no_signal_steps, self.no_signal_std = no_signal_steps, no_signal_std
+        self.no_signal_success = no_signal_success
+        self.no_signal_streak = 0
+        self.no_signal_at: int | None = None  # the step of the early warning (once a run)
+        self.whitened = True  # whether updates whiten the critic's advantages; set from the module at fit start
         self.history: dict[str, deque[float]] = {}
         self.successes: dict[str, deque[tuple[float, float]]] = {}  # tag -> last `smooth` (success, episodes)
         self.peaks: dict[str, dict[int, tuple[float, float]]] = {}  # tag -> k -> best k-step (success, episodes)
@@ -114,7 +138,8 @@ class EchoTrapAlarm(Callback):
                 "successes": {k: [list(x) for x in v] for k, v in self.successes.items()},
                 "peaks": {t: {str(k): list(v) for k, v in p.items()} for t, p in self.peaks.items()},
                 "design": {t: list(v) for t, v in self.design.items()},
-                "streaks": dict(self.streaks), "fired_at": self.fired_at, "fired_tags": sorted(self.fired_tags)}
+                "streaks": dict(self.streaks), "fired_at": self.fired_at, "fired_tags": sorted(self.fired_tags),
+                "no_signal": [self.no_signal_streak, self.no_signal_at]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -128,6 +153,7 @@ class EchoTrapAlarm(Callback):
         self.streaks = dict(state_dict.get("streaks", {}))
         self.fired_at = state_dict.get("fired_at")
         self.fired_tags = set(state_dict.get("fired_tags", []))
+        self.no_signal_streak, self.no_signal_at = state_dict.get("no_signal", [0, None])
 
     def _below(self, key: str, value: float | None, ratio: float, floor: float = 0.0) -> bool:
         """Whether ``value`` is below ``ratio`` x the trailing median of ``key`` (a median of at least ``floor``);
@@ -178,6 +204,13 @@ class EchoTrapAlarm(Callback):
 
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed one step's metrics; return the signals of the env that is collapsing now (empty if none)."""
+        std = metrics.get("filter/reward_std_after", metrics.get("rollout/group_reward_std"))
+        best = max((v for k, v in metrics.items() if k.startswith("rollout/") and k.endswith("/success")),
+                   default=0.0)
+        quiet = (std is not None and math.isfinite(std) and std <= self.no_signal_std
+                 and best >= self.no_signal_success
+                 and metrics.get("filter/kept_frac", 1.0) > 0)  # nothing kept: no update at all
+        self.no_signal_streak = self.no_signal_streak + 1 if quiet else 0
         tags = sorted({k.split("/")[1] for k in metrics if k.startswith("rollout/") and k.count("/") == 2
                        and k.endswith("/success")}) or [""]
         # Each env's own entropy where the run logs it; once seen, for the rest of the run.
@@ -216,6 +249,16 @@ class EchoTrapAlarm(Callback):
         return worst
 
     @property
+    def no_signal(self) -> bool:
+        """Whether the updates have had no reward variance for ``no_signal_steps`` steps (the early warning)."""
+        return 0 < self.no_signal_steps <= self.no_signal_streak
+
+    @override
+    def on_fit_start(self, trainer, pl_module) -> None:
+        advantage = getattr(pl_module, "advantage", None)
+        self.whitened = bool(getattr(advantage, "needs_critic", False) and getattr(advantage, "whiten", False))
+
+    @property
     def firing(self) -> bool:
         return self.last_tag is not None and self.streaks.get(self.last_tag, 0) >= self.patience
 
@@ -223,6 +266,13 @@ class EchoTrapAlarm(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.as_tensor(v).numel() == 1}
         signals = self.observe(metrics)
+        if self.no_signal and self.whitened and self.no_signal_at is None:
+            self.no_signal_at = trainer.global_step
+            rank_zero_warn(f"Echo Trap early warning at step {trainer.global_step}: the updated groups have had no "
+                           f"reward variance for {self.no_signal_streak} steps (in-group std <= {self.no_signal_std}),"
+                           f" so the whitened advantages are the critic's error at unit scale: updates on noise. "
+                           f"Consider a filter that drops zero-variance groups (ragen_pl.filters.DropZeroVariance).")
+            self._log(pl_module, "echo_trap/no_signal")
         if not self.firing:
             return
         self.fired_at = trainer.global_step
@@ -233,10 +283,7 @@ class EchoTrapAlarm(Callback):
                    f"{self.streaks[self.last_tag or '']} steps (success collapsing while behaviour narrows). "
                    f"Consider a stronger variance filter, a lower learning rate, or clip-higher.")
         rank_zero_warn(message)
-        if hasattr(pl_module, "log_sporadic"):  # logged once, at this step (not repeated by Lightning)
-            pl_module.log_sporadic({"echo_trap/fired": 1.0})
-        else:
-            pl_module.log("echo_trap/fired", 1.0, batch_size=1)
+        self._log(pl_module, "echo_trap/fired")
         if self.action == "checkpoint":
             path = Path(trainer.log_dir or trainer.default_root_dir) / f"echo-trap-step{trainer.global_step}.ckpt"
             trainer.save_checkpoint(path)
@@ -244,6 +291,13 @@ class EchoTrapAlarm(Callback):
         elif self.action == "stop":
             trainer.should_stop = True
         self.streaks[self.last_tag or ""] = 0
+
+    @staticmethod
+    def _log(pl_module, key: str) -> None:
+        if hasattr(pl_module, "log_sporadic"):  # logged once, at this step (not repeated by Lightning)
+            pl_module.log_sporadic({key: 1.0})
+        else:
+            pl_module.log(key, 1.0, batch_size=1)
 
 
 def drop_z(before: float, n_before: float, after: float, n_after: float) -> float:

@@ -3,6 +3,7 @@ import json
 import math
 import random
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -213,6 +214,64 @@ def fit_replaying(model_path, root, alarm, trace_name, steps=12):
     return trainer
 
 
+def test_early_warning_counts_steps_without_reward_variance():
+    """The early warning: the kept groups' mean in-group reward std at most no_signal_std (0.02) for no_signal_steps
+    (2) steps in a row while some env succeeds at least 0.5; filter/reward_std_after (what the update sees) over
+    rollout/group_reward_std; a step that kept nothing (no update at all), or where every env is under 0.5 (nothing
+    learned to lose), breaks the streak instead of extending it."""
+    def step(after=None, before=None, kept=1.0, success=1.0):
+        m = {"filter/kept_frac": kept, "rollout/Bandit/success": success, "rollout/Sokoban/success": 0.0}
+        if after is not None:
+            m["filter/reward_std_after"] = after
+        if before is not None:
+            m["rollout/group_reward_std"] = before
+        return m
+
+    alarm = EchoTrapAlarm()
+    warned = []
+    for m in [step(0.3, 0.3), step(0.01, 0.3), step(0.02, 0.3), step(0.0, 0.0, kept=0.0), step(0.0, 0.0),
+              step(before=0.015), step(before=0.021), step(0.0, 0.5), step(0.0, 0.5), step(0.0, success=0.4),
+              step(0.0, success=0.5)]:
+        alarm.observe(m)
+        warned.append(alarm.no_signal)
+    assert warned == [False, False, True, False, False, True, False, False, True, False, False]
+    off = EchoTrapAlarm(no_signal_steps=0)
+    for _ in range(3):
+        off.observe(step(0.0))
+    assert not off.no_signal
+    alarm.observe(step(0.0))
+    restored = EchoTrapAlarm()
+    restored.load_state_dict(json.loads(json.dumps(alarm.state_dict())))
+    assert restored.no_signal_streak == 2 and restored.no_signal
+    with pytest.raises(ValueError, match="no_signal_steps >= 0"):
+        EchoTrapAlarm(no_signal_steps=-1)
+
+
+@pytest.mark.parametrize("advantage", ["GAE", "GRPO"])
+def test_early_warning_in_a_fit_only_where_advantages_are_whitened(tiny_model_path, tmp_path, advantage):
+    """The live plumbing: a fit whose updates carry no reward variance warns once, at step 2, under PPO's whitened
+    GAE (the critic's error at unit scale); under GRPO a group without variance has zero advantage, so no warning."""
+    from ragen_pl.advantages import GAE, GRPO
+
+    rows = [{"filter/reward_std_after": 0.0, "rollout/group_reward_std": 0.0, "filter/kept_frac": 1.0,
+             "rollout/success": 1.0, "rollout/Bandit/success": 1.0}]
+    alarm = EchoTrapAlarm()
+    module = RagenModule(str(tiny_model_path), advantage={"GAE": GAE, "GRPO": GRPO}[advantage](),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=1, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=4))
+    trainer = pl.Trainer(max_steps=4, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         limit_val_batches=0, callbacks=[Replay(rows), alarm], default_root_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dm)
+    early = [str(w.message) for w in caught if "Echo Trap early warning" in str(w.message)]
+    if advantage == "GAE":
+        assert alarm.no_signal_at == 2 and len(early) == 1 and "DropZeroVariance" in early[0], early
+    else:
+        assert alarm.no_signal_at is None and not early and alarm.no_signal  # it held, but nothing to warn of
+
+
 def test_alarm_history_survives_a_checkpoint():
     alarm = EchoTrapAlarm(window=3)
     for m in stream(5, lambda i: 0.6):
@@ -309,6 +368,11 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     # The format-breaking SmolLM2 run (lr 3e-2, seed 1) is the held-out set's lasting real-model collapse.
     line = next(row for row in out.splitlines() if row.startswith("smollm2_frozenlake_centred_lr3e-2_seed1"))
     assert line.split()[2:6] == ["14", "16", "21", "caught,"], line
+    # The early warning on a recorded PPO collapse (seed 7, lr 3e-3, no filter): no reward variance in the updates
+    # from step 16 (Bandit solved, FrozenLake at 0), warned at 17, 5 steps before Bandit's success halved for good.
+    early = next(row for row in out.splitlines() if row.startswith("  ppo_lr3e-3_nofilter_seed7 "))
+    assert early.split()[1:4] == ["17", "22", "22"] and early.endswith("ahead by 5"), early
+    assert max(echo_trap.false_alarm_rates(runs=10, steps=60, icc=0.3, early=True).values()) <= 0.1
     monkeypatch.setattr(sys, "argv", ["echo_trap.py", "--simulated", "0"])
     echo_trap.main()
     assert "Simulated" not in capsys.readouterr().out
