@@ -27,8 +27,10 @@ in env runs where nothing halved and the share of 6-step windows it would hold i
 The alarm's early warning (updates without reward variance under PPO's whitened GAE, ``no_signal_steps`` in a
 row while some env succeeds at least 0.5) gets a third table on the PPO runs: where it came, and how many steps
 before the first halving of any env; its thresholds were chosen on the held-out PPO runs at lr 3e-3 without the
-filter (seeds 3-8), so those are its tuning runs, and runs recorded since are its held-out ones. The simulated runs
-also print how often it would come there.
+filter (seeds 3-8, ``EARLY_TUNING``), so those are its tuning runs, and the rest are its held-out ones: seeds 9-11 of
+the same setting, and of it with groups without reward variance dropped (``dropzero``) and with the advantages not
+whitened (``notwhitened``, listed only: the live warning is off there), from ``benchmarks/findings.py --grid
+collapse``. The simulated runs also print how often it would come there.
 
     python benchmarks/echo_trap.py [--runs PATH ...] [--simulated 200] [--steps 100] [--icc 0.3]
 """
@@ -216,17 +218,22 @@ def critic_runs(runs: dict[str, list[dict[str, float]]]) -> dict[str, list[dict[
     return {name: run for name, run in runs.items() if name.startswith("ppo") or any("loss/value" in m for m in run)}
 
 
+EARLY_TUNING = tuple(f"ppo_lr3e-3_nofilter_seed{seed}" for seed in range(3, 9))
+"""The runs the early warning's thresholds were chosen on; every other PPO run is held out from it."""
+
+
 def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays: dict[str, Replay]) -> None:
     """The early warning (no reward variance in the updates, ``no_signal_steps`` in a row) on the runs that whiten
-    the critic's advantages: per run, where it came, and how far ahead of the first halving of any env."""
+    the critic's advantages: per run, where it came, and how far ahead of the first halving of any env; tallied
+    apart for the runs its thresholds were chosen on (``EARLY_TUNING``) and the rest. Runs named ``notwhitened``
+    trained on unwhitened advantages, where the live warning is off: listed, not tallied."""
     runs = critic_runs(runs)
     if not runs:
         return
     print(f"\n{title}, PPO (GAE) runs: the early warning (updates without reward variance for "
           f"{EchoTrapAlarm().no_signal_steps} steps) against the first halving of any env")
     print(f"  {'run':<34}{'warned at':>10}{'halved at':>10}{'to the end':>11}  verdict")
-    tally: dict[str, list] = {"halved": [0, 0, []], "lasting": [0, 0, []], "no halving": [0, 0],
-                              "no lasting collapse": [0, 0]}
+    tallies: dict[str, dict[str, list]] = {}
     for name, run in runs.items():
         if not any("rollout/group_reward_std" in m or "filter/reward_std_after" in m for m in run):
             print(f"  {name[:33]:<34}{'':>31}  not judged: no reward std logged")
@@ -234,6 +241,16 @@ def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays
         warned = replays[name].no_signal[0] if replays[name].no_signal else None
         halved, lasting = (min((h for h in hs if h is not None), default=None) for hs in zip(*[
             (halving(s), halving(s, to_end=True)) for _, s in env_successes(run)]))
+        verdict = ("quiet" if warned is None else "warned, nothing fell") if halved is None else (
+            f"ahead by {halved - warned}" if warned is not None and warned <= halved else "not ahead")
+        if "notwhitened" in name:
+            verdict += " (not whitened: the live warning is off)"
+        dash = lambda step: "-" if step is None else step  # noqa: E731
+        print(f"  {name[:33]:<34}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
+        if "notwhitened" in name:
+            continue
+        tally = tallies.setdefault("tuning" if name in EARLY_TUNING else "held out", {
+            "halved": [0, 0, []], "lasting": [0, 0, []], "no halving": [0, 0], "no lasting collapse": [0, 0]})
         for key, truth in (("halved", halved), ("lasting", lasting)):
             if truth is not None:
                 tally[key][1] += 1
@@ -244,16 +261,14 @@ def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays
             if truth is None:
                 tally[key][0] += warned is not None
                 tally[key][1] += 1
-        verdict = ("quiet" if warned is None else "warned, nothing fell") if halved is None else (
-            f"ahead by {halved - warned}" if warned is not None and warned <= halved else "not ahead")
-        dash = lambda step: "-" if step is None else step  # noqa: E731
-        print(f"  {name[:33]:<34}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
-    for key, label in (("halved", "3-step halvings"), ("lasting", "lasting collapses")):
-        hit, total, leads = tally[key]
-        lead = f" (ahead by {min(leads)}-{max(leads)})" if leads else ""
-        print(f"  {label}: warned ahead of {hit}/{total}{lead}")
-    for key in ("no halving", "no lasting collapse"):
-        print(f"  runs with {key}: warned in {tally[key][0]}/{tally[key][1]}")
+    for group, tally in sorted(tallies.items(), key=lambda item: item[0] != "tuning"):
+        counts = []
+        for key, label in (("halved", "3-step halvings"), ("lasting", "lasting collapses")):
+            hit, total, leads = tally[key]
+            counts.append(f"{label} warned ahead of {hit}/{total}" + (f" (by {min(leads)}-{max(leads)})" if leads else ""))
+        counts += [f"warned in {tally[key][0]}/{tally[key][1]} runs with {key}"
+                   for key in ("no halving", "no lasting collapse")]
+        print(f"  {group}: " + "; ".join(counts))
 
 
 def simulated_run(level: float, steps: int, rng: random.Random, episodes: int = 64, group: int = 8,

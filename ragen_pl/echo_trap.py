@@ -56,7 +56,8 @@ class EchoTrapAlarm(Callback):
     ``no_signal_steps`` steps in a row, it warns once and logs
     ``echo_trap/no_signal`` (``benchmarks/echo_trap.py`` prints how far ahead of the recorded PPO collapses it held
     and where it held without one). A filter that keeps no such group (``DropZeroVariance``, ``SNR`` with
-    ``include_zero: false``) removes the cause.
+    ``include_zero: false``) removes the cause. Its thresholds came from 6 recorded runs; on 3 held-out collapses
+    it came ahead of none (README: the early warning), so read it as a named symptom, not a forecast.
     """
 
     def __init__(

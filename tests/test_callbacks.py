@@ -372,6 +372,10 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     # from step 16 (Bandit solved, FrozenLake at 0), warned at 17, 5 steps before Bandit's success halved for good.
     early = next(row for row in out.splitlines() if row.startswith("  ppo_lr3e-3_nofilter_seed7 "))
     assert early.split()[1:4] == ["17", "22", "22"] and early.endswith("ahead by 5"), early
+    # Tallied apart: the runs its thresholds were chosen on (seeds 3-8), and the PPO runs it never saw.
+    assert "  tuning: 3-step halvings warned ahead of 4/6 (by 5-11); lasting collapses warned ahead of 4/5" in out
+    held = next(row for row in out.splitlines() if row.startswith("  held out: 3-step halvings"))
+    assert "warned in 0/8 runs with no lasting collapse" in held, held
     assert max(echo_trap.false_alarm_rates(runs=10, steps=60, icc=0.3, early=True).values()) <= 0.1
     monkeypatch.setattr(sys, "argv", ["echo_trap.py", "--simulated", "0"])
     echo_trap.main()
