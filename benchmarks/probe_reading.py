@@ -18,6 +18,9 @@ iteration; Sokoban: a first move of a shortest solution). Printed beside:
 A layer whose probe beats chance clearly holds what the policy needs to act on the board; one at chance shows the
 model's representation of that spelling does not carry it (the I(X;Z) ~ 0 of the RL runs).
 
+``--precision bf16-mixed`` computes the states under CPU bf16 autocast, as the runs' bf16-mixed generation and
+scoring do; ``both`` probes each and prints how far autocast moves the state against its across-board spread.
+
 ``--play N`` then plays the config's evaluation seeds (N plays each, its action budget) with the probe of the last
 ``--layers`` layer on the config's spelling as the policy (each board's hidden state, read from the first-turn
 prompt of that board, gives the action), beside uniformly random actions and the optimal policy's first action
@@ -191,6 +194,9 @@ def main() -> int:
                              "(taught on the config's spelling)")
     parser.add_argument("--spellings", choices=("both", "config"), default="both",
                         help="both grid spellings, or only the config's")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "both"), default="32-true",
+                        help="the hidden states in float32, under CPU bf16 autocast as the runs' bf16-mixed "
+                             "generation and scoring compute them, or both (then also how far autocast moves them)")
     parser.add_argument("--play", type=int, default=0, metavar="N",
                         help="then play the evaluation seeds N times each with the last layer's probe as the policy")
     args = parser.parse_args()
@@ -221,13 +227,28 @@ def main() -> int:
         def hits(pred, optimal=opt_te) -> float:
             return sum(actions[int(p)] in o for p, o in zip(pred, optimal)) / len(optimal)
 
-        h_tr = hidden_states(model, tok, cfg, users_tr, args.layers)
-        h_te = hidden_states(model, tok, cfg, users_te, args.layers)
+        states = {}
+        for precision in ("32-true", "bf16-mixed") if args.precision == "both" else (args.precision,):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                states[precision] = (hidden_states(model, tok, cfg, users_tr, args.layers),
+                                     hidden_states(model, tok, cfg, users_te, args.layers))
         chance = sum(len(o) for o in opt_te) / (len(actions) * len(opt_te))
         majority = int(torch.bincount(y).argmax())
         ceiling = hits(fit_predict(one_hot_grids(grids_tr), y, one_hot_grids(grids_te)))
-        layers = ", ".join(f"layer {layer} {hits(fit_predict(h_tr[:, i], y, h_te[:, i])):.3f}"
-                           for i, layer in enumerate(args.layers))
+        layers = "; ".join(f"{precision}: " + ", ".join(
+            f"layer {layer} {hits(fit_predict(h_tr[:, i], y, h_te[:, i])):.3f}" for i, layer in enumerate(args.layers))
+            for precision, (h_tr, h_te) in states.items())
+        if len(states) == 2:
+            exact, rounded = states["32-true"][0], states["bf16-mixed"][0]
+            # What autocast changes against the part of the state that differs across boards (RMS per dimension);
+            # the shift every board shares is what a centred, biased reader ignores, so it is also left out.
+            spread = exact.std(0).pow(2).mean(-1).sqrt()
+            moved = rounded - exact
+            whole, per_board = (d.pow(2).mean((0, 2)).sqrt() for d in (moved, moved - moved.mean(0)))
+            print("  bf16 autocast moves the state by " + ", ".join(
+                f"{float(a / sd):.2f} (layer {layer}; {float(b / sd):.2f} less the shift all boards share)"
+                for a, b, sd, layer in zip(whole, per_board, spread, args.layers)) + " of its across-board spread")
+        h_tr, h_te = next(iter(states.values()))
         name = "cells side by side (RAGEN)" if not separator else f"cells apart ({separator!r})"
         print(f"  {name}: {layers}; chance {chance:.3f}, majority action {hits([majority] * len(opt_te)):.3f}, "
               f"one-hot board {ceiling:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -35,7 +35,8 @@ iteration with N passes of PPO's clipped steps over mini-batches of M kept turns
 mini-batches (a turn-level critic; use it with ``--top-p 1``: groups whose trajectories all scored alike still teach
 it). For ``llm`` features, ``--model warm`` reads the config's format
 warm start (the runs' step 0) instead of SmolLM2 itself, ``--pca K`` keeps the K leading principal directions of
-the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs.
+the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs;
+``--bf16`` computes them under CPU bf16 autocast, as the runs' bf16-mixed generation and scoring do.
 ``--head runs`` reads the states as the runs' whitened head does instead of standardised (``center_head`` and
 ``whiten_head`` of the config: less the k leading directions of the second moment of the hidden states at the four
 positions a first turn's answer scores, each dimension divided by its root mean square over all four), fitted on the
@@ -148,7 +149,8 @@ class Hidden:
     """SmolLM2's hidden state at the last prompt token of each board's rollout prompt, computed once per board."""
 
     def __init__(self, cfg: dict, layer: int, standardise_on: list, pca: int | None = None, model: str = "raw",
-                 env: str = "frozenlake", cache: str | None = None, head: str = "standardised") -> None:
+                 env: str = "frozenlake", cache: str | None = None, head: str = "standardised",
+                 bf16: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,8 +162,10 @@ class Hidden:
         if head != "standardised" and layer != self.model.config.num_hidden_layers:
             raise SystemExit(f"error: --head {head} reads the last hidden state, what the head reads: --layer must be "
                              f"{self.model.config.num_hidden_layers}, got {layer}")
-        self.cfg, self.layer, self.known, self.scored = cfg, layer, {}, None
+        self.cfg, self.layer, self.known, self.scored, self.bf16 = cfg, layer, {}, None, bf16
         self.cache, self.source = (Path(cache) if cache else None), {"model": Path(path).name, "layer": layer, "env": env}
+        if bf16:
+            self.source["precision"] = "bf16-mixed"
         if self.cache is not None and self.cache.exists():
             saved = torch.load(self.cache)
             if saved.get("source") != self.source:
@@ -175,8 +179,9 @@ class Hidden:
             if self.scored is None:
                 from head_geometry import scored_hidden_states
 
-                self.scored, _ = scored_hidden_states(self.model, self.tok, cfg, range(128),
-                                                      torch.Generator().manual_seed(0))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    self.scored, _ = scored_hidden_states(self.model, self.tok, cfg, range(128),
+                                                          torch.Generator().manual_seed(0))
             self.head = head_input(self.scored.double(), cfg["model"]["lora"]["center_head"], head == "action")
         if pca is not None:
             self.basis = pca_basis((x - self.mean) / self.std, pca)
@@ -200,8 +205,9 @@ class Hidden:
         obs = [env.render() for env in envs]
         new = sorted({o for o in obs if o not in self.known})
         if new:
-            h = hidden_states(self.model, self.tok, self.cfg, [first_turn(self.cfg, envs[0], o) for o in new],
-                              [self.layer])[:, 0]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                h = hidden_states(self.model, self.tok, self.cfg, [first_turn(self.cfg, envs[0], o) for o in new],
+                                  [self.layer])[:, 0]
             self.known.update(zip(new, h))
         x = torch.stack([self.known[o] for o in obs])
         if self.mean is None:
@@ -424,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head", choices=("standardised", "runs", "action"), default="standardised",
                         help="llm features: standardised, or as the runs' whitened head reads them (runs), or as it "
                         "would if fitted where the action is sampled (action); see the module's docstring")
+    parser.add_argument("--bf16", action="store_true",
+                        help="llm features: computed under CPU bf16 autocast, as the runs' bf16-mixed generation and "
+                        "scoring compute them (default: float32)")
     parser.add_argument("--critic", type=float, default=None, metavar="LR",
                         help="advantages from GAE on a linear value of the same features (Adam at LR, trained on the "
                         "lambda-returns in the same mini-batches) instead of the group's mean")
@@ -485,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             envs = [make_env(cfg["data"]["env"]) for _ in range(256)]
             for i, env in enumerate(envs):
                 env.reset(random.Random(i).randrange(10**6))
-            features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache, args.head)
+            features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache, args.head,
+                              args.bf16)
             print(f"  SmolLM2 layer {args.layer} over {len(envs)} first boards: a dimension's mean size "
                   f"{features.size:.3f}, its standard deviation across boards {features.spread:.3f} "
                   f"({features.spread / features.size:.3f} of it)", flush=True)

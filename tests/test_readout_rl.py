@@ -169,6 +169,22 @@ def test_feature_cache_is_reused_and_refused_for_another_source(readout_rl, tiny
         readout_rl.Hidden(cfg, 2, boards, cache=str(cache))
 
 
+def test_bf16_states_are_computed_under_autocast(readout_rl, tiny_boards, tmp_path):
+    """``--bf16``: the states come from a bf16 autocast forward (rounded, so not the float32 ones, yet near them),
+    and a cache of float32 states is refused for them rather than read as if they were bf16."""
+    cfg, boards = tiny_boards
+    cache = tmp_path / "states.pt"
+    exact = readout_rl.Hidden(cfg, 1, boards, cache=str(cache))
+    exact.save()
+    rounded = readout_rl.Hidden(cfg, 1, boards, bf16=True)
+    a, b = torch.stack([exact.known[o] for o in sorted(exact.known)]), torch.stack(
+        [rounded.known[o] for o in sorted(rounded.known)])
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, a, atol=0.1, rtol=0.1)
+    with pytest.raises(SystemExit, match=r"^error: --feature-cache .*'precision': 'bf16-mixed'.*give another file$"):
+        readout_rl.Hidden(cfg, 1, boards, cache=str(cache), bf16=True)
+
+
 def test_head_input_by_hand(readout_rl):
     """``--head``: what the runs' whitened head reads, on states of 2 boards x 2 scored positions, hand-derived.
     h = [10, x, y]: x is (2, 0) at the action position and (-1, -1) after it, y is (1, -1) and (2, -2). The second
