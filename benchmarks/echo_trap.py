@@ -243,11 +243,12 @@ def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays
             (halving(s), halving(s, to_end=True)) for _, s in env_successes(run)]))
         verdict = ("quiet" if warned is None else "warned, nothing fell") if halved is None else (
             f"ahead by {halved - warned}" if warned is not None and warned <= halved else "not ahead")
-        if "notwhitened" in name:
+        warning_off = "notwhitened" in name
+        if warning_off:
             verdict += " (not whitened: the live warning is off)"
         dash = lambda step: "-" if step is None else step  # noqa: E731
         print(f"  {name[:33]:<34}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
-        if "notwhitened" in name:
+        if warning_off:
             continue
         tally = tallies.setdefault("tuning" if name in EARLY_TUNING else "held out", {
             "halved": [0, 0, []], "lasting": [0, 0, []], "no halving": [0, 0], "no lasting collapse": [0, 0]})
