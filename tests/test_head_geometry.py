@@ -55,3 +55,32 @@ def test_leading_directions_remove_a_shared_part(head_geometry):
     assert project_out(h, directions.float()).norm(dim=-1).max() < 1.5
     u = (h.mean(0) / h.mean(0).norm()).unsqueeze(-1)
     assert project_out(h, u).norm(dim=-1).min() > 10
+
+
+def test_variance_split_by_hand(head_geometry):
+    """z[b, t] in one dimension: [[0, 2], [2, 4]] is a board part (1, 3) plus a turn part (1, 3): variance 2, half each,
+    no interaction. [[0, 0], [0, 4]]: variance 3, board means (0, 2) and turn means (0, 2) a third each, and the rest
+    [[1, -1], [-1, 1]] the last third."""
+    split = head_geometry.variance_split(torch.tensor([[[0.0], [2.0]], [[2.0], [4.0]]]))
+    assert split == pytest.approx((0.5, 0.5, 0.0))
+    split = head_geometry.variance_split(torch.tensor([[[0.0], [0.0]], [[0.0], [4.0]]]))
+    assert split == pytest.approx((1 / 3, 1 / 3, 1 / 3))
+
+
+def test_turn_geometry_prints_the_split(head_geometry, tiny, capsys):
+    """``--turns``: on the tiny model, the three shares of both readings add up to 1, and the warm start's action
+    probabilities are printed for turn 1 and the later turns."""
+    import re
+
+    from real_llm import load_config
+
+    model, tok = tiny
+    cfg = load_config("frozenlake")
+    cfg["model"]["lora"]["head_tokens"] = [tok.decode([i]) for i in (40, 41, 42, 43)]  # four one-token stand-ins
+    head_geometry.turn_geometry(model.eval(), tok, cfg, 3, 3)
+    out = capsys.readouterr().out
+    shares = re.findall(r": (\d\.\d+) / (\d\.\d+) / (\d\.\d+)$", out, re.M)
+    assert len(shares) == 2, out
+    for split in shares:
+        assert sum(map(float, split)) == pytest.approx(1.0, abs=2e-3)
+    assert re.search(r"turn 1 (\d\.\d+, ){3}\d\.\d+; turns 2-3 ", out), out

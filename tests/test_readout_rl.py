@@ -96,7 +96,7 @@ def test_temperature_zero_plays_greedy(readout_rl):
     w = torch.zeros(2, 4)
     w[0, 2] = 1.0  # every board prefers Right
     moves: list[int] = []
-    _, turns, _ = readout_rl.play(envs, lambda es: torch.ones(len(es), 2), w, 0.0, torch.Generator(), 3)
+    _, turns, _ = readout_rl.play(envs, lambda es, turn: torch.ones(len(es), 2), w, 0.0, torch.Generator(), 3)
     for t in turns:
         moves += [a for _, a in t]
     assert moves and set(moves) == {2}
@@ -223,3 +223,58 @@ def test_head_reading_of_the_states_is_cached(readout_rl, tiny_boards, monkeypat
     with pytest.raises(SystemExit, match=r"^error: --head runs reads the last hidden state, what the head reads: "
                                          r"--layer must be 2, got 1$"):
         readout_rl.Hidden(cfg, 1, boards, head="runs")
+
+
+def test_turn_prompt_is_what_the_rollout_feeds(readout_rl, tiny, monkeypatch):
+    """``probe_reading.turn_prompt``: the token ids the collector feeds at each turn of the FrozenLake config's
+    window-1 rollout (rules, ``Reward: 0``, ``Turn t``, the board, the actions left), turn by turn."""
+    import probe_reading
+
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.rollout.collector import Collector, EpisodeSpec
+    from tests.rollout.test_collector import Recording, Scripted
+
+    _, tok = tiny
+    cfg = readout_rl.load_config("frozenlake")
+    engine = Recording(Scripted(tok, lambda turn, _: "Up</answer>"))
+    Collector(engine, tok, RolloutConfig(**cfg["data"]["rollout"])).collect(
+        [EpisodeSpec(FrozenLake(size=4, cell_separator=" "), seed=3, group_id=0)])
+    env = FrozenLake(size=4, cell_separator=" ")
+    obs, compared = env.reset(3), 0
+    for turn, (prompts, _) in enumerate(engine.calls, start=1):
+        assert prompts[0] == probe_reading.turn_prompt(cfg, tok, env, obs, turn), turn
+        compared += 1
+        obs, reward, done, _ = env.step("Up")
+        if done or reward:
+            break
+    assert compared >= 3
+
+
+def test_turn_text_offsets_by_hand(readout_rl, tiny_boards, tmp_path):
+    """``--turn-text``: row t of the offsets is the mean over the boards of the state of turn t + 1's prompt less
+    turn 1's (row 0 zero); a turn reads its board's first-turn state plus its row, standardised over every board at
+    every turn; the offsets are cached with the states."""
+    import probe_reading
+
+    cfg, boards = tiny_boards
+    cache = tmp_path / "states.pt"
+    hidden = readout_rl.Hidden(cfg, 1, boards, cache=str(cache), turn_text=True)
+    turns = cfg["data"]["rollout"]["max_turns"]
+    states = probe_reading.prompt_states(hidden.model, hidden.tok, [
+        probe_reading.turn_prompt(cfg, hidden.tok, b, b.render(), t) for b in boards for t in range(1, turns + 1)],
+        [1])[:, 0].reshape(len(boards), turns, -1)
+    offsets = (states - states[:, :1]).mean(0)
+    assert hidden.offsets.shape == (turns, states.shape[-1]) and not hidden.offsets[0].any()
+    torch.testing.assert_close(hidden.offsets, offsets, atol=1e-5, rtol=1e-5)
+    first = torch.stack([hidden.known[b.render()] for b in boards])
+    every = (first.unsqueeze(1) + offsets).reshape(-1, first.shape[-1])
+    mean, std = every.mean(0), every.std(0) + 1e-6
+    torch.testing.assert_close(hidden(boards, 4), (first + offsets[4] - mean) / std, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(hidden(boards, 4), hidden(boards, 0))
+    hidden.save()
+    again = readout_rl.Hidden(cfg, 1, boards, cache=str(cache), turn_text=True)
+    again.model = None  # the states and the offsets come from the file
+    torch.testing.assert_close(again(boards, 4), hidden(boards, 4))
+    plain = readout_rl.Hidden(cfg, 1, boards, cache=str(cache))
+    torch.testing.assert_close(plain(boards, 4), plain(boards, 0))  # without the flag, every turn reads turn 1's
