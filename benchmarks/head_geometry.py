@@ -101,9 +101,10 @@ def variance_split(z: torch.Tensor) -> tuple[float, float, float]:
     return board / total, turn / total, float(rest.reshape(-1, z.shape[-1]).var(0, correction=0).sum()) / total
 
 
-def turn_geometry(model, tok, cfg: dict, boards: int, turns: int) -> None:
+def turn_geometry(model, tok, cfg: dict, boards: int, turns: int, ks: tuple[int, ...] = (4,)) -> None:
     """``--turns``: print the variance split of the state at the action position over ``boards`` first boards, each
-    written as the prompt of turns 1..``turns``."""
+    written as the prompt of turns 1..``turns``, for the hidden state and for the whitened head's input with each
+    ``center_head`` of ``ks`` (with the share of the board part it keeps)."""
     import torch
     from probe_reading import prompt_states, turn_prompt
 
@@ -118,12 +119,16 @@ def turn_geometry(model, tok, cfg: dict, boards: int, turns: int) -> None:
     first, _ = scored_hidden_states(model, tok, cfg, range(boards), torch.Generator().manual_seed(0))
     # the head fitted on every turn's action position and the first turn's format positions (as --turn-text fits it)
     fit = torch.cat([torch.cat([h[:, t:t + 1], first[:, 1:].double()], 1) for t in range(turns)])
-    directions, scale = head_input(fit, 4, at_action=False)
+    board = h.mean(1) - h.mean((0, 1))  # (boards, H): each board's part
     print(f"the turn's text, {boards} boards x turns 1-{turns} (the action position): share of the variance across "
           f"these prompts that is the board's / the turn text's / the rest")
-    for name, z in (("the hidden state", h), ("the whitened head's input (center_head 4, whiten_head)",
-                                              project_out(h, directions) / scale)):
-        print(f"  {name}: " + " / ".join(f"{x:.3f}" for x in variance_split(z)))
+    print("  the hidden state: " + " / ".join(f"{x:.3f}" for x in variance_split(h)))
+    for k in ks:
+        directions, scale = head_input(fit, k, at_action=False)
+        kept = float(project_out(board, directions).pow(2).sum() / board.pow(2).sum())
+        print(f"  the whitened head's input (center_head {k}, whiten_head): "
+              + " / ".join(f"{x:.3f}" for x in variance_split(project_out(h, directions) / scale))
+              + f"; board part kept {kept:.3f}")
     ids = head_token_ids(tok, cfg["model"]["lora"]["head_tokens"])
     with torch.no_grad():
         logits = model.lm_head(h.to(model.lm_head.weight.dtype))[..., ids].double()
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
           "each scored position: " + ", ".join(f"{x:.2f}" for x in spread) + " (the action position first; the "
           "readout simulation's features: 1)")
     if args.turns is not None:
-        turn_geometry(model, tok, cfg, args.boards, args.turns)
+        turn_geometry(model, tok, cfg, args.boards, args.turns, tuple(args.ks))
     return 0
 
 

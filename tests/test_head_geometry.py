@@ -77,10 +77,10 @@ def test_turn_geometry_prints_the_split(head_geometry, tiny, capsys):
     model, tok = tiny
     cfg = load_config("frozenlake")
     cfg["model"]["lora"]["head_tokens"] = [tok.decode([i]) for i in (40, 41, 42, 43)]  # four one-token stand-ins
-    head_geometry.turn_geometry(model.eval(), tok, cfg, 3, 3)
+    head_geometry.turn_geometry(model.eval(), tok, cfg, 3, 3, (1, 2))
     out = capsys.readouterr().out
-    shares = re.findall(r": (\d\.\d+) / (\d\.\d+) / (\d\.\d+)$", out, re.M)
-    assert len(shares) == 2, out
+    shares = re.findall(r": (\d\.\d+) / (\d\.\d+) / (\d\.\d+)(?:; board part kept (\d\.\d+))?$", out, re.M)
+    assert len(shares) == 3 and shares[0][3] == "" and all(0 < float(s[3]) <= 1 for s in shares[1:]), out
     for split in shares:
-        assert sum(map(float, split)) == pytest.approx(1.0, abs=2e-3)
+        assert sum(map(float, split[:3])) == pytest.approx(1.0, abs=2e-3)
     assert re.search(r"turn 1 (\d\.\d+, ){3}\d\.\d+; turns 2-3 ", out), out
