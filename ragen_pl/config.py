@@ -217,6 +217,11 @@ class LoraSettings:
     many leading directions of the scored positions' hidden states (fixed at the first update), so it learns what
     depends on the input rather than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs).
     0: off; about the number of kinds of answer token (4 for FrozenLake's ``Up</answer>``)."""
+    center_turns: int = 0
+    """With ``center_head``: the head's adapter also leaves out up to this many directions along which the scored
+    positions' mean hidden state differs from turn to turn (fixed with the others), so it cannot learn an answer per
+    turn that ignores the input: a multi-turn prompt's own text (``Turn 3``, the actions left) moves the state as much
+    as the board does (``ragen_pl.lora``: why). 0: off; about the number of turns less one."""
     whiten_head: bool = False
     """With ``center_head``: the head's adapter also reads each dimension of that centred state divided by its root
     mean square over the same positions (fixed with the directions), so what differs between inputs is read at unit
@@ -230,10 +235,14 @@ class LoraSettings:
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
         check_int("--model.lora.center_head", self.center_head, low=0)
+        check_int("--model.lora.center_turns", self.center_turns, low=0)
         adapts_head = not isinstance(self.target_modules, str) and "lm_head" in self.target_modules
         if self.center_head and not adapts_head:
             raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
                              f"`--model.lora.target_modules`, got {self.target_modules!r}")
+        if self.center_turns and not self.center_head:
+            raise ValueError("`--model.lora.center_turns` adds directions to the centred head's: it needs "
+                             "`--model.lora.center_head` >= 1, got 0")
         if not isinstance(self.whiten_head, bool):
             raise ValueError(f"`--model.lora.whiten_head` must be true or false, got {self.whiten_head!r}")
         if self.whiten_head and not self.center_head:

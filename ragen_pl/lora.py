@@ -25,6 +25,16 @@ centred state by its root mean square over the same positions (``s``, fixed with
 simulation learned from (``benchmarks/readout_rl.py --features llm``, standardised: 0.278 on FrozenLake in 1,920
 trajectories at lr 0.003). Still linear: ``A' = A diag(1/s) (I - U U^T)``.
 
+A multi-turn prompt has a shared part per turn too: the window-1 prompt of turn t says ``Turn t`` and the actions
+left, and on the warm SmolLM2 that text moves the state at the action position as much as the board does (over 64
+FrozenLake boards each written as every turn's prompt, the board's share of the variance is 0.52 and the turn text's
+0.48 of what the whitened head reads; more leading directions do not remove it: ``benchmarks/head_geometry.py
+--turns``). A readout of it can learn an answer per turn that ignores the board, and in the readout simulation on
+those states (``benchmarks/readout_rl.py --turn-text``) the FrozenLake goal is no longer reached.
+``--model.lora.center_turns`` (up to ``n`` directions) also leaves out the leading directions of the scatter of the
+turns' mean states (:func:`turn_directions`, on the centred rows, fitted with ``U`` and appended to it; the turn of
+each scored position comes from :data:`ragen_pl.scoring.SCORED_TURNS`).
+
 ``--model.lora.head_tokens`` makes the head adapter that readout exactly: ``lora_B`` fixed to one-hot columns on the
 given tokens' rows (FrozenLake's four actions), ``lora_A`` trained from zero. Only those tokens' logits move, so the
 adapter cannot break the answer format (a plain head adapter at lr 3e-2 broke ``</answer>`` on one seed) and its
@@ -44,14 +54,18 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.scoring import SCORED_ROWS
+from ragen_pl.scoring import SCORED_ROWS, SCORED_TURNS
 
 __all__ = ["add_lora", "head_folded", "head_token_ids", "project_out", "root_mean_square",
-           "shared_directions", "untie_output_embeddings"]
+           "shared_directions", "turn_directions", "untie_output_embeddings"]
 
 SHARED_DIRECTIONS = "shared_directions"
 """The buffer of a centred head's ``lora_A`` module: the (hidden, k) orthonormal directions ``U`` it leaves out (zeros
-until the first update)."""
+until the first update). With ``center_turns``, its last ``center_turns`` columns are the turn directions (zero
+columns where fewer were found)."""
+
+TURN_DIRECTIONS = "ragen_pl_turn_directions"
+"""The attribute of a turn-centred head's ``lora_A`` module: how many of the columns of ``U`` are turn directions."""
 
 FEATURE_SCALE = "feature_scale"
 """The buffer of a whitened centred head's ``lora_A`` module: the (hidden,) root mean squares ``s`` of the centred
@@ -91,7 +105,7 @@ def add_lora(policy: nn.Module, lora: LoraSettings, tokenizer: Any = None) -> nn
     if ids is not None:
         _readout(head, ids)
     if lora.center_head:
-        _center(head.lora_A["default"], lora.center_head, lora.whiten_head)
+        _center(head.lora_A["default"], lora.center_head, lora.whiten_head, lora.center_turns)
     return policy
 
 
@@ -132,10 +146,12 @@ def untie_output_embeddings(model: nn.Module) -> None:
         text.tie_word_embeddings = False
 
 
-def _center(lora_a: nn.Linear, k: int, whiten: bool) -> None:
-    if k > lora_a.in_features:
-        raise ValueError(f"`--model.lora.center_head` must be at most the hidden size {lora_a.in_features}, got {k}")
-    lora_a.register_buffer(SHARED_DIRECTIONS, torch.zeros(lora_a.in_features, k, dtype=lora_a.weight.dtype))
+def _center(lora_a: nn.Linear, k: int, whiten: bool, turns: int = 0) -> None:
+    if k + turns > lora_a.in_features:
+        raise ValueError(f"`--model.lora.center_head` plus `--model.lora.center_turns` must be at most the hidden "
+                         f"size {lora_a.in_features}, got {k} + {turns}")
+    lora_a.register_buffer(SHARED_DIRECTIONS, torch.zeros(lora_a.in_features, k + turns, dtype=lora_a.weight.dtype))
+    setattr(lora_a, TURN_DIRECTIONS, turns)
     if whiten:
         lora_a.register_buffer(FEATURE_SCALE, torch.ones(lora_a.in_features, dtype=lora_a.weight.dtype))
     lora_a.register_forward_pre_hook(_project_out_shared)
@@ -152,6 +168,30 @@ def shared_directions(h: Tensor, k: int) -> Tensor:
     return vectors[:, -k:].flip(-1)
 
 
+def turn_directions(x: Tensor, turns: Tensor, n: int) -> Tensor:
+    """(H, n) orthonormal directions along which the mean of the rows of ``x`` (N, H) differs between their
+    ``turns`` (N,): the n leading eigenvectors of the between-turn scatter ``sum_t N_t (m_t - m)(m_t - m)^T`` (m_t the
+    mean of turn t's rows, m of all rows), summed over processes; zero columns beyond its rank (turns - 1)."""
+    x = x.detach().reshape(-1, x.shape[-1]).double()
+    top = turns.max().reshape(1) + 1 if turns.numel() else turns.new_zeros(1)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+    sums = x.new_zeros(int(top), x.shape[1]).index_add_(0, turns, x)
+    counts = torch.bincount(turns, minlength=int(top)).to(x.dtype)
+    if distributed:
+        torch.distributed.all_reduce(sums)
+        torch.distributed.all_reduce(counts)
+    seen = counts > 0
+    means = sums[seen] / counts[seen, None]
+    scatter = (means - sums.sum(0) / counts.sum()) * counts[seen, None].sqrt()
+    _, values, vectors = torch.linalg.svd(scatter, full_matrices=False)  # descending
+    rank = int((values > 1e-9 * values[:1].clamp_min(1e-300)).sum()) if len(values) else 0
+    out = x.new_zeros(x.shape[1], n)
+    out[:, :min(n, rank)] = vectors[:min(n, rank)].T
+    return out
+
+
 def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     (h,) = args  # (..., H): the hidden states the head reads
     directions = getattr(module, SHARED_DIRECTIONS)
@@ -165,7 +205,15 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
         # Only the positions that score a token: the head also reads other rows' answer columns and padding, and a
         # shared prefix's forward (none of them in the loss).
         rows = h[scored]
-        directions.copy_(shared_directions(rows, directions.shape[1]))
+        n_turns = getattr(module, TURN_DIRECTIONS, 0)
+        u = shared_directions(rows, directions.shape[1] - n_turns)
+        if n_turns:
+            turns = SCORED_TURNS.get()
+            if turns is None or turns.shape != rows.shape[:1] or bool((turns < 0).any()):
+                raise RuntimeError("the turn-centred head needs the turn of each scored position: score the rows "
+                                   "with `turns=` (the batch's turn_ids)")
+            u = torch.cat([u, turn_directions(project_out(rows.double(), u), turns, n_turns)], 1)
+        directions.copy_(u)
         if hasattr(module, FEATURE_SCALE):
             getattr(module, FEATURE_SCALE).copy_(root_mean_square(project_out(rows.double(), directions.double())))
     h = project_out(h, directions.to(h.dtype))

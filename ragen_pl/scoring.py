@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
 
-__all__ = ["SCORED_ROWS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits",
+__all__ = ["SCORED_ROWS", "SCORED_TURNS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits",
            "forward_packed", "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share",
            "restrict_to_kept", "score", "scored_logits", "scored_slots", "shared_prefix_length", "shift_values",
            "token_stats", "trunk_is_frozen", "unpack_rows"]
@@ -52,13 +52,19 @@ SCORED_ROWS: ContextVar[Tensor | None] = ContextVar("ragen_pl_scored_rows", defa
 of its own row is scored at (a column another row scores, padding); a hook on the head that must see only scored
 positions (the centred head, :mod:`ragen_pl.lora`) selects them with it."""
 
+SCORED_TURNS: ContextVar[Tensor | None] = ContextVar("ragen_pl_scored_turns", default=None)
+"""While :func:`score` runs a model with ``turns``: the (N,) turn of each position :data:`SCORED_ROWS` selects, in the
+order it selects them (row-major), for a head hook that groups the scored positions by turn (the turn-centred head,
+``--model.lora.center_turns``). None without ``turns``."""
+
 
 @contextmanager
-def _scoring(rows: Tensor | None):
-    token = SCORED_ROWS.set(rows)
+def _scoring(rows: Tensor | None, turns: Tensor | None = None):
+    token, turns_token = SCORED_ROWS.set(rows), SCORED_TURNS.set(turns)
     try:
         yield
     finally:
+        SCORED_TURNS.reset(turns_token)
         SCORED_ROWS.reset(token)
 
 
@@ -156,24 +162,26 @@ def check_packing(model: nn.Module) -> None:
 
 
 def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, prefix: int = 0, pack: bool = False,
-                  **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
+                  turns: Tensor | None = None, **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
     """Forward ``model`` with its LM head run only where a token of ``mask`` is scored.
 
     With ``prefix`` >= :data:`MIN_SHARED_PREFIX` (see :func:`prefix_to_share`) the rows' common first ``prefix``
     tokens run once (:func:`forward_shared`); the output then starts at the prefix's end. With ``pack`` the rows run
     packed (:func:`forward_packed`); the output covers the packed positions. Returns the model output, the (N, V)
     logits scoring the N tokens of ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N token ids.
+    ``turns`` (B, T): each token's turn, which :data:`SCORED_TURNS` gives the head's hooks for the scored ones.
     """
     target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
+    scored_turns = turns[:, 1:][target] if turns is not None else None  # every layout lists them row-major
     if pack:
         packed_index = attn.flatten().cumsum(0).view_as(attn) - 1  # (B, T): each real position's packed index
         keep = packed_index[:, :-1][target]
-        with _scoring(torch.ones(1, len(keep), dtype=torch.bool, device=ids.device)):
+        with _scoring(torch.ones(1, len(keep), dtype=torch.bool, device=ids.device), scored_turns):
             out = forward_packed(model, ids, attn, logits_to_keep=keep, **kwargs)
         return out, out.logits[0], ids[:, 1:][target]
     cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
     keep = target[:, cols]
-    with _scoring(keep):
+    with _scoring(keep, scored_turns):
         if prefix >= MIN_SHARED_PREFIX:
             out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
         else:
@@ -333,7 +341,8 @@ def _head_reads(head: nn.Module, into: list[Tensor]):
 
 def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float = 1.0,
           entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None,
-          pack: bool = False, keep_head_inputs: bool = False, head_inputs: Tensor | None = None) -> Scores:
+          pack: bool = False, keep_head_inputs: bool = False, head_inputs: Tensor | None = None,
+          turns: Tensor | None = None) -> Scores:
     """Log-probs of ``ids`` at the positions of ``mask`` under ``model`` at ``temperature``; optionally the entropy
     there and the last hidden states (zeros on a shared prefix, where nothing is scored, and on padding). With
     ``kept`` (B, T, K), each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p
@@ -343,6 +352,7 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
     ``keep_head_inputs``: also return what the LM head read at the scored positions (``Scores.head_inputs``).
     ``head_inputs``: those, from an earlier call on a model whose trunk has not changed since
     (:func:`trunk_is_frozen`): only the head runs.
+    ``turns`` (B, T): each token's turn (``TrajectoryBatch.turn_ids``), for the head's hooks (:data:`SCORED_TURNS`).
     """
     target = mask[:, 1:]
     if head_inputs is not None:
@@ -351,7 +361,8 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
         labels = ids[:, 1:][target]
         if head_inputs.shape[0] != labels.numel():
             raise ValueError(f"`head_inputs` holds {head_inputs.shape[0]} positions, the mask scores {labels.numel()}")
-        with _scoring(torch.ones(1, labels.numel(), dtype=torch.bool, device=ids.device)):
+        with _scoring(torch.ones(1, labels.numel(), dtype=torch.bool, device=ids.device),
+                      turns[:, 1:][target] if turns is not None else None):
             logits = model.get_output_embeddings()(head_inputs[None])[0]
         out, positions = None, 0
     else:
@@ -359,7 +370,8 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
         prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
         reads: list[Tensor] = []
         with _head_reads(model.get_output_embeddings(), reads) if keep_head_inputs else nullcontext():
-            out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, **kwargs)
+            out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, turns=turns,
+                                                **kwargs)
         positions = int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix
     logits = logits / temperature  # (N, V)
     if kept is not None:

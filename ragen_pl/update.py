@@ -209,7 +209,8 @@ class StarPOUpdate:
         if head_inputs is not None:
             head_inputs = head_inputs[scored_slots(mask, head_inputs.shape[1])]
         s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
-                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs)
+                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs,
+                  turns=part.turn_ids[:, :T])
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
         advantages, off_metrics = off_policy_correction(

@@ -621,3 +621,121 @@ def test_a_run_of_two_envs_logs_token_entropy_for_the_env_its_filtered_batch_hol
     per_env = [k for k in m if k.endswith("/token_entropy") and k != "rollout/token_entropy"]
     assert len(per_env) == 1 and per_env[0] in ("rollout/Bandit/token_entropy", "rollout/Sokoban/token_entropy")
     assert float(m[per_env[0]]) == pytest.approx(float(m["rollout/token_entropy"]))
+
+
+def test_turn_directions_by_hand():
+    """:func:`ragen_pl.lora.turn_directions`. Turn 0: (1, 1, 0) and (1, -1, 0); turn 1: (-1, 2, 0) and (-1, -2, 0):
+    the turns' means differ along e1 only, although the rows vary most along e2 (the leading direction of their
+    second moment); two turns give one direction, so of n = 2 the second column is zero. Unequal counts, turn 0:
+    (2, 0, 0) once, turn 1: (0, 0, 1) three times: the mean is (0.5, 0, 0.75), both deviations lie along (2, 0, -1).
+    Four turns whose means are e1, e2, e3 and 0 with 1, 2, 3 and 4 rows: the between-turn scatter is
+    sum_t N_t (m_t - m)(m_t - m)^T with m = (1, 2, 3) / 10, and its 2 leading eigenvectors are the directions."""
+    from ragen_pl.lora import turn_directions
+
+    x = torch.tensor([[1.0, 1, 0], [1, -1, 0], [-1, 2, 0], [-1, -2, 0]])
+    d = turn_directions(x, torch.tensor([0, 0, 1, 1]), 2)
+    torch.testing.assert_close(d[:, 0].abs(), torch.tensor([1.0, 0, 0], dtype=torch.float64))
+    assert not d[:, 1].any()
+    d = turn_directions(torch.tensor([[2.0, 0, 0], [0, 0, 1], [0, 0, 1], [0, 0, 1]]), torch.tensor([0, 1, 1, 1]), 1)
+    torch.testing.assert_close(d[:, 0].abs(), torch.tensor([2.0, 0, 1], dtype=torch.float64) / 5 ** 0.5)
+    counts = [1, 2, 3, 4]
+    means = torch.cat([torch.eye(3), torch.zeros(1, 3)]).double()
+    x = torch.cat([means[t].expand(n, 3) for t, n in enumerate(counts)])
+    turns = torch.cat([torch.full((n,), t) for t, n in enumerate(counts)])
+    m = torch.tensor([1.0, 2, 3], dtype=torch.float64) / 10
+    scatter = sum(n * torch.outer(means[t] - m, means[t] - m) for t, n in enumerate(counts))
+    _, vectors = torch.linalg.eigh(scatter)
+    d = turn_directions(x, turns, 2)
+    torch.testing.assert_close(d.T @ d, torch.eye(2, dtype=torch.float64), atol=1e-10, rtol=0)
+    torch.testing.assert_close(d @ d.T, vectors[:, -2:] @ vectors[:, -2:].T, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed", "head_inputs"])
+def test_scored_turns_follow_the_scored_rows(tiny_model_path, layout):
+    """``score(..., turns=)``: in every layout the head's hooks get, beside each scored position's hidden state
+    (:data:`SCORED_ROWS`), that position's turn (:data:`SCORED_TURNS`), in the same order. Each token's "turn" here is
+    a code of its row and column, so a hidden state is matched to its exact position in a plain forward."""
+    from transformers import AutoModelForCausalLM
+
+    from ragen_pl.scoring import SCORED_ROWS, SCORED_TURNS, score
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    g = torch.Generator().manual_seed(1)
+    lengths = [26, 30, 23]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    ids[:, :20] = torch.randint(3, 200, (20,), generator=g)
+    attn = torch.zeros_like(ids, dtype=torch.bool)
+    mask = torch.zeros_like(attn)
+    for row, n in enumerate(lengths):
+        ids[row, 20:n] = torch.randint(3, 200, (n - 20,), generator=g)
+        attn[row, :n] = True
+        mask[row, n - 4:n] = True
+    code = torch.arange(ids.shape[0])[:, None] * 1000 + torch.arange(ids.shape[1])  # row * 1000 + column
+    seen = []
+
+    def record(m, a):
+        if SCORED_ROWS.get() is not None:
+            seen.append((a[0][SCORED_ROWS.get()].detach().clone(), SCORED_TURNS.get().clone()))
+
+    model.get_output_embeddings().register_forward_pre_hook(record)
+    with torch.no_grad():
+        h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+        kwargs = {"share_prefix": layout == "shared_prefix", "pack": layout == "packed"}
+        if layout == "head_inputs":
+            kwargs = {"head_inputs": h[:, :-1][mask[:, 1:]]}
+        score(model, ids, attn, mask, turns=code, **kwargs)
+    (rows, turns), = seen
+    assert turns.tolist() == code[:, 1:][mask[:, 1:]].tolist()  # the scored tokens' own codes, row-major
+    for state, c in zip(rows, turns.tolist()):
+        b, t = divmod(c, 1000)
+        torch.testing.assert_close(state, h[b, t - 1], atol=1e-4, rtol=1e-4)  # the logits at t - 1 score token t
+
+
+def test_turn_centred_head_leaves_out_the_turns_means(tiny_model_path):
+    """`--model.lora.center_turns=2` with `center_head=2`: at the first update U is the 2 leading directions of the
+    scored positions' second moment, then the 2 leading directions of the scatter of their turns' means once those are
+    left out (:func:`turn_directions` on what the head read, grouped by the batch's turn_ids: 3 turns, one row each in
+    a window of 1), all orthonormal; the trained adapter reads nothing along them (A U = 0 once folded) and the
+    merged weights give the trained policy's logits. Without `center_head` the setting is refused in one line."""
+    pytest.importorskip("peft", reason="needs peft (pip install 'ragen-pl[peft]')")
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import SHARED_DIRECTIONS, head_folded, project_out, shared_directions, turn_directions
+    from ragen_pl.policy import policy_state_dict
+    from ragen_pl.scoring import SCORED_TURNS
+
+    module = RagenModule(str(tiny_model_path), advantage=GRPO(),
+                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2, center_turns=2),
+                         ppo=PPOConfig(mini_batch_size=12, micro_batch_size=12), optim=OptimConfig(actor_lr=1e-2))
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=2,
+                           rollout=RolloutConfig(max_turns=3, max_new_tokens=6, context_window=1))
+    lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
+    seen = _record_first_scored_input(lora_a)
+    turns = []
+    lora_a.register_forward_pre_hook(  # after the recorder (prepended) within the same first forward
+        lambda m, a: turns.append(SCORED_TURNS.get()) if seen and not turns else None)
+    trainer(1).fit(module, dm)
+    u = getattr(lora_a, SHARED_DIRECTIONS).double()
+    assert u.shape == (lora_a.in_features, 4) and sorted(set(turns[0].tolist())) == [0, 1, 2]
+    torch.testing.assert_close(u.T @ u, torch.eye(4, dtype=torch.float64), atol=1e-5, rtol=0)
+    h = seen[0].double()
+    lead = shared_directions(h, 2)
+    torch.testing.assert_close(u[:, :2] @ u[:, :2].T, lead @ lead.T, atol=1e-4, rtol=0)
+    by_turn = turn_directions(project_out(h, lead), turns[0], 2)
+    torch.testing.assert_close(u[:, 2:] @ u[:, 2:].T, by_turn @ by_turn.T, atol=1e-4, rtol=0)
+    means = torch.stack([h[turns[0] == t].mean(0) for t in range(3)])
+    assert (means[1:] - means[0]).norm() > 10 * project_out(means[1:] - means[0], u).norm()  # left out
+    module.policy.eval()
+    ids = module.tokenizer("Turn 2:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        trained = module.policy(input_ids=ids).logits
+        with head_folded(module.policy):
+            assert (lora_a.weight.double() @ u).abs().max() < 1e-5
+        merged = policy_state_dict(module.policy, lora=True)
+        plain = type(module.policy.get_base_model()).from_pretrained(tiny_model_path, tie_word_embeddings=False)
+        plain.load_state_dict(merged)
+        torch.testing.assert_close(plain.eval()(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"`--model.lora.center_turns` adds directions to the centred head's: it "
+                                         r"needs `--model.lora.center_head` >= 1, got 0"):
+        LoraSettings(target_modules=["lm_head"], center_turns=2)
+    with pytest.raises(ValueError, match=r"`--model.lora.center_turns` must be an integer >= 0, got -1"):
+        LoraSettings(target_modules=["lm_head"], center_head=1, center_turns=-1)
