@@ -8,12 +8,18 @@ import torch
 import torch.distributed as dist
 
 
+def turn_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows (n, 8) and their turns: turns 0 and 1 on rank 0, turns 0 and 2 on rank 1."""
+    rows = torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(20 + rank), dtype=torch.float64)
+    return rows, torch.tensor([[0, 0, 1, 1, 1], [0, 2, 2, 2, 0, 2]][rank])
+
+
 def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora
+    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora, turn_directions
     from ragen_pl.policy import policy_state_dict
     from ragen_pl.scoring import SCORED_ROWS, score
 
@@ -42,9 +48,11 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     score(policy, ids, attn, mask).logprobs.sum().backward()  # the first update's forward fixes the directions
     h = seen[0]
     merged = policy_state_dict(policy, lora=True)
+    rows, turns = turn_rows(rank)  # turn directions (center_turns) from both ranks' rows: turn 2 only on rank 1
+    by_turn = turn_directions(rows, turns, 2)
     with open(out, "w") as f:
         json.dump({"directions": getattr(head_a, SHARED_DIRECTIONS).tolist(), "moment": (h.T @ h).tolist(),
-                   "rows": h.shape[0], "scale": getattr(head_a, FEATURE_SCALE).tolist(),
+                   "rows": h.shape[0], "scale": getattr(head_a, FEATURE_SCALE).tolist(), "by_turn": by_turn.tolist(),
                    "merged": {k: v.tolist() for k, v in merged.items() if "lm_head" in k or "layers.0.self_attn.q"
                               in k or "layers.1.mlp.down" in k}}, f)
     dist.destroy_process_group()

@@ -238,7 +238,8 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
     both ranks fix the same shared directions, those of the second moment summed over both ranks' hidden states, and
     the same scales, the root mean squares of the centred states over both ranks' rows; and the merged weights an
     engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
-    those directions. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
+    those directions. The turn directions of `center_turns` are those of both ranks' rows together, also for a turn
+    only one rank saw. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
     first rollout."""
     from transformers import AutoModelForCausalLM
 
@@ -247,6 +248,15 @@ def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_p
     from ragen_pl.policy import policy_state_dict
 
     ranks = _two_workers("lora_shard_worker.py", tiny_model_path, tmp_path)
+    # the turn directions of `center_turns`: the turns' means over both ranks' rows (rank 0 never saw turn 2)
+    from ragen_pl.lora import turn_directions
+    from tests.lora_shard_worker import turn_rows
+
+    (rows0, turns0), (rows1, turns1) = turn_rows(0), turn_rows(1)
+    one = turn_directions(torch.cat([rows0, rows1]), torch.cat([turns0, turns1]), 2)
+    by_turn = torch.tensor(ranks[0]["by_turn"], dtype=torch.float64)
+    assert torch.equal(by_turn, torch.tensor(ranks[1]["by_turn"], dtype=torch.float64)) and by_turn[:, 1].any()
+    torch.testing.assert_close(by_turn @ by_turn.T, one @ one.T, atol=1e-10, rtol=0)
     directions = torch.tensor(ranks[0]["directions"])
     assert torch.equal(directions, torch.tensor(ranks[1]["directions"]))
     _, vectors = torch.linalg.eigh(sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks))
