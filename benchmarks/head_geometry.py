@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.boards < 2:
         parser.error(f"--boards must be at least 2, got {args.boards}")
-    turns = load_config(args.env)["data"]["rollout"]["max_turns"]
+    cfg = load_config(args.env)
+    turns = cfg["data"]["rollout"]["max_turns"]
     if args.turns is not None and not 2 <= args.turns <= turns:
         parser.error(f"--turns must be between 2 and the config's max_turns {turns}, got {args.turns}")
 
@@ -166,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     path = build_smollm2_warm(args.env, progress=False)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = load_config(args.env)
     h, actions = scored_hidden_states(model, tok, cfg, range(args.boards), torch.Generator().manual_seed(args.seed))
     h = h.double()
     action = h[:, 0]  # (boards, H): the prompt's last token, whose output is the action

@@ -492,6 +492,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for flag, used in (("--agg seq", args.agg == "seq"), ("--center", args.center)):
             if used:
                 parser.error(f"{flag} is not supported with --critic (each turn has its own advantage there)")
+    if "llm" not in args.features:
+        for flag, used in (("--turn-text", args.turn_text), ("--bf16", args.bf16), ("--pca", args.pca is not None),
+                           ("--feature-cache", args.feature_cache is not None), ("--model", args.model != "raw"),
+                           ("--head", args.head != "standardised")):
+            if used:
+                parser.error(f"{flag} applies to --features llm only; the features given are {args.features}")
     if args.head != "standardised":
         for flag, used in (("--pca", args.pca is not None), ("--common", args.common is not None),
                            ("--center", args.center)):

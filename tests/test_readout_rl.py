@@ -146,6 +146,9 @@ def test_critic_rows_are_gae_on_the_linear_value(readout_rl):
     (["--head", "action", "--center"], "--head action reads .*; --center is another"),
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--features", "local", "--turn-text"], r"--turn-text applies to --features llm only; the features given are "
+                                              r"\['local'\]"),
+    (["--features", "onehot", "local", "--bf16"], r"--bf16 applies to --features llm only"),
 ])
 def test_bad_flags_refused(readout_rl, capsys, flags, message):
     with pytest.raises(SystemExit):
