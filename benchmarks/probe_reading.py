@@ -57,7 +57,7 @@ def first_turn(cfg: dict, env, obs: str) -> str:
 
     rollout = RolloutConfig(**cfg["data"]["rollout"])
     fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
-    return first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt)
+    return first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt, rollout.turn_header)
 
 
 def boards(cfg: dict, separator: str, seeds: range) -> tuple[list[str], list[set[str]], list[str]]:
@@ -87,8 +87,8 @@ def turn_prompt(cfg: dict, tok, env, obs: str, turn: int) -> list[int]:
     chat = WindowChat(tok, rollout.system_prompt, first_turn(cfg, env, obs), rollout.think, env.instructions, 1)
     if turn > 1:  # the window keeps no earlier turn, so one answered turn stands for all of them
         chat.add_response(tok("Up</answer>", add_special_tokens=False)["input_ids"], turn - 2)
-        chat.extend_user(next_user_message(turn, 0.0, obs, rollout.max_actions_per_episode - turn + 1, fmt), True,
-                         max_prompt=10**9)
+        chat.extend_user(next_user_message(turn, 0.0, obs, rollout.max_actions_per_episode - turn + 1, fmt,
+                                           rollout.turn_header), True, max_prompt=10**9)
     return chat.prompt_ids()
 
 

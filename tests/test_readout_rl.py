@@ -228,9 +228,11 @@ def test_head_reading_of_the_states_is_cached(readout_rl, tiny_boards, monkeypat
         readout_rl.Hidden(cfg, 1, boards, head="runs")
 
 
-def test_turn_prompt_is_what_the_rollout_feeds(readout_rl, tiny, monkeypatch):
+@pytest.mark.parametrize("header", [True, False])
+def test_turn_prompt_is_what_the_rollout_feeds(readout_rl, tiny, monkeypatch, header):
     """``probe_reading.turn_prompt``: the token ids the collector feeds at each turn of the FrozenLake config's
-    window-1 rollout (rules, ``Reward: 0``, ``Turn t``, the board, the actions left), turn by turn."""
+    window-1 rollout (rules, ``Reward: 0``, ``Turn t``, the board, the actions left; or, with ``turn_header``
+    false, the rules and the board), turn by turn."""
     import probe_reading
 
     from ragen_pl.config import RolloutConfig
@@ -240,6 +242,7 @@ def test_turn_prompt_is_what_the_rollout_feeds(readout_rl, tiny, monkeypatch):
 
     _, tok = tiny
     cfg = readout_rl.load_config("frozenlake")
+    cfg["data"]["rollout"]["turn_header"] = header
     engine = Recording(Scripted(tok, lambda turn, _: "Up</answer>"))
     Collector(engine, tok, RolloutConfig(**cfg["data"]["rollout"])).collect(
         [EpisodeSpec(FrozenLake(size=4, cell_separator=" "), seed=3, group_id=0)])

@@ -11,7 +11,8 @@
   never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
   parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
   ``-warm-frozenlake-effective`` and ``-warm-sokoban-effective`` play random *effective* moves instead (no walk into
-  a wall or off the map): still no goal in them, but the answer depends on the board.
+  a wall or off the map): still no goal in them, but the answer depends on the board. ``-stateonly`` after any of
+  those four: the same in prompts without the turn header (``--data.rollout.turn_header=false``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ SMOLLM2_WARM = {
 # depends on the board from the start, still with no goal, reward or solver in it.
 SMOLLM2_WARM.update({f"{env}-effective": replace(SMOLLM2_WARM[env], play="effective")
                      for env in ("frozenlake", "sokoban")})
+# ``<name>-stateonly``: the same recipe in prompts without the turn header (``--data.rollout.turn_header=false``), where
+# a window-1 prompt is the rules and the current board alone.
+SMOLLM2_WARM.update({f"{name}-stateonly": replace(recipe, rollout={**recipe.rollout, "turn_header": False})
+                     for name, recipe in list(SMOLLM2_WARM.items()) if name != "bandit"})
 SMOLLM2_WARM_VERSION = 1
 
 

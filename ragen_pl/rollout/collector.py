@@ -172,7 +172,8 @@ class Collector:
                 episodes.append(ep)
                 continue
             t1 = time.perf_counter()
-            first = first_user_message(ep.env.instructions, obs, c.max_actions_per_episode, self._format())
+            first = first_user_message(ep.env.instructions, obs, c.max_actions_per_episode, self._format(),
+                                       c.turn_header)
             if c.context_window is None:
                 ep.chat = ChatTokens(self.tokenizer, c.system_prompt, first, c.think)
             else:
@@ -271,7 +272,8 @@ class Collector:
         if ep.done:
             return
         t0 = time.perf_counter()
-        message = next_user_message(turn + 2, turn_reward, obs, c.max_actions_per_episode - ep.actions, self._format())
+        message = next_user_message(turn + 2, turn_reward, obs, c.max_actions_per_episode - ep.actions, self._format(),
+                                    c.turn_header)
         ended_eos = bool(gen.token_ids) and gen.token_ids[-1] in self._eos
         if not chat.extend_user(message, ended_eos, max_prompt=self.max_seq_len - c.max_new_tokens):
             ep.done, ep.truncated = True, True

@@ -67,11 +67,20 @@ def format_instruction(think: bool, max_actions_per_turn: int, max_tokens: int) 
     )
 
 
-def first_user_message(instructions: str, observation: str, actions_left: int, fmt: str) -> str:
+def first_user_message(instructions: str, observation: str, actions_left: int, fmt: str, header: bool = True) -> str:
+    """Turn 1's user message: the rules, then the state. ``header`` false leaves out ``Turn 1`` and the actions left,
+    so that the message is the rules and the state alone (``--data.rollout.turn_header``)."""
+    if not header:
+        return f"{instructions}\n\nState:\n{observation}\n{fmt}"
     return f"{instructions}\n\nTurn 1:\nState:\n{observation}\nYou have {actions_left} actions left. {fmt}"
 
 
-def next_user_message(turn: int, reward: float, observation: str, actions_left: int, fmt: str) -> str:
+def next_user_message(turn: int, reward: float, observation: str, actions_left: int, fmt: str,
+                      header: bool = True) -> str:
+    """A later turn's user message: the last reward, then the state. ``header`` false keeps the state alone, so that a
+    window of one turn (which puts the rules first) renders a state exactly as turn 1 does."""
+    if not header:
+        return f"State:\n{observation}\n{fmt}"
     return (
         f"Reward: {reward:g}\n\nTurn {turn}:\nState:\n{observation}\nYou have {actions_left} actions left. {fmt}"
     )

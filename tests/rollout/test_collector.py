@@ -6,10 +6,14 @@ import torch
 from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.base import Env
+from ragen_pl.envs.frozen_lake import FrozenLake
 from ragen_pl.envs.sokoban import Sokoban
+from ragen_pl.rollout.chat import WindowChat
 from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from ragen_pl.rollout.engine import Generation, RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
+from ragen_pl.rollout.prompt import first_user_message, format_instruction
+from ragen_pl.sft import demonstrations
 
 
 class Recording(RolloutEngine):
@@ -276,6 +280,39 @@ def test_context_window_rows_are_exactly_what_was_fed_and_sampled(tiny, window):
 def test_context_window_error():
     with pytest.raises(ValueError, match=r"`--data.rollout.context_window` must be an integer >= 1 or null, got 0"):
         RolloutConfig(context_window=0)
+    with pytest.raises(ValueError, match=r"^`--data.rollout.turn_header` must be true or false, got 'no'$"):
+        RolloutConfig(turn_header="no")
+
+
+def test_prompts_without_the_turn_header_are_the_state_alone(tiny):
+    """``turn_header: false`` with a window of one turn: every turn's fed prompt is the one turn 1 would be fed on
+    that board (the rules, the board, the format; no ``Turn t``, actions left or reward), so the same board gives the
+    same prompt on every turn, and the SFT demonstrations of that layout train on the same prompts."""
+    _, tok = tiny
+    config = RolloutConfig(max_turns=6, max_actions_per_turn=1, max_new_tokens=8, think=False, context_window=1,
+                           turn_header=False)
+    engine = Recording(Scripted(tok, lambda turn, _: "Up</answer>" if turn % 2 else "Down</answer>"))
+    Collector(engine, tok, config).collect([EpisodeSpec(FrozenLake(size=4, cell_separator=" "), seed=5, group_id=0)])
+    fmt = format_instruction(False, 1, 8)
+    env, compared = FrozenLake(size=4, cell_separator=" "), 0
+    obs = env.reset(5)
+    for turn, (prompts, _) in enumerate(engine.calls):
+        first = WindowChat(tok, config.system_prompt, first_user_message(env.instructions, obs, 10, fmt, False), False,
+                           env.instructions, 1)
+        assert prompts[0] == first.prompt_ids(), turn
+        text = tok.decode(prompts[0])
+        assert "Turn" not in text and "actions left" not in text and "Reward" not in text
+        compared += 1
+        obs, _, done, _ = env.step("Down" if turn % 2 == 0 else "Up")
+        if done:
+            break
+    assert compared >= 2
+    with_header = RolloutConfig(**{**config.__dict__, "turn_header": True})
+    users = [t["user"] for r in demonstrations([FrozenLake(size=4, cell_separator=" ")], 4, config, seed=1)
+             for t in r["turns"]]
+    assert len(users) > 4 and all(u.count("State:") == 1 and "Turn" not in u and "Reward" not in u for u in users)
+    assert all("Turn" in t["user"] for r in demonstrations([FrozenLake(size=4)], 2, with_header, seed=1)
+               for t in r["turns"])
 
 
 class Growing(Env):
