@@ -209,6 +209,7 @@ class RagenCLI(LightningCLI):
             raise
         except (ValueError, TypeError, ImportError) as err:
             raise ConfigError(own_reason(str(err)) or str(err)) from err
+        _warn_warm_layout(self.model, self.datamodule)
 
     def _parse_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` (``last`` too), check the file, and refuse model settings that differ from it.
@@ -263,6 +264,19 @@ class RagenCLI(LightningCLI):
             from ragen_pl.hardware import set_torch_threads
 
             set_torch_threads(threads)
+
+
+def _warn_warm_layout(model, datamodule) -> None:
+    """A SmolLM2 warm start run in a prompt layout it was not taught (another turn header, window or action budget)
+    still runs, but reads prompts it never saw: say so in one line."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from ragen_pl.models.smollm2 import warm_layout_mismatch
+
+    name, rollout = getattr(model, "hparams", {}).get("model"), getattr(datamodule, "rollout_config", None)
+    problem = warm_layout_mismatch(name, rollout) if isinstance(name, str) and rollout is not None else None
+    if problem:
+        rank_zero_warn(problem)
 
 
 def _warn_slow_precision(trainer) -> None:

