@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
+    """(``--state-only``: the prompts without the turn header; the fit refuses nothing in that layout.)"""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), "--env", "frozenlake", "--minutes", "0.02",
          "--max-steps", "2", "--random-repeats", "2", "--final-episodes", "6", "--out", str(tmp_path / "runs"),
-         f"--model.model={tiny_model_path}",
+         "--state-only", f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
          "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
          "--model.lora.head_tokens=[Up,Right]"],  # the tiny tokenizer spells Down and Left in two tokens each
@@ -41,3 +42,14 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     assert re.search(r"^\s+0\s+[0-9.]+\s+[0-9.]+\s+[0-9]+\s+[0-9.]+\s+[-+][0-9.]+ vs random \(>= \+0\.10\), "
                      r"[-+][0-9.]+ vs random effective$", text,
                      re.MULTILINE), text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "bandit", "--state-only"], "--state-only: Bandit has one turn"),
+    (["--env", "frozenlake", "--state-only", "--data.rollout.turn_header=false"],
+     "--state-only sets --data.rollout.turn_header=false itself; give one or the other"),
+])
+def test_real_llm_refuses_state_only_where_it_means_nothing(args, message, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), *args], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and f"real_llm.py: error: {message}" in out.stderr.strip().splitlines()[-1], out.stderr
