@@ -221,7 +221,8 @@ class LoraSettings:
     """With ``center_head``: the head's adapter also leaves out up to this many directions along which the scored
     positions' mean hidden state differs from turn to turn (fixed with the others), so it cannot learn an answer per
     turn that ignores the input: a multi-turn prompt's own text (``Turn 3``, the actions left) moves the state as much
-    as the board does (``ragen_pl.lora``: why). 0: off; about the number of turns less one."""
+    as the board does (``ragen_pl.lora``: why). 0: off; about the number of turns less one. With a window of one turn,
+    ``--data.rollout.turn_header=false`` removes that text from the prompt instead."""
     whiten_head: bool = False
     """With ``center_head``: the head's adapter also reads each dimension of that centred state divided by its root
     mean square over the same positions (fixed with the directions), so what differs between inputs is read at unit

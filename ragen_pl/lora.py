@@ -33,7 +33,8 @@ FrozenLake boards each written as every turn's prompt, the board's share of the 
 those states (``benchmarks/readout_rl.py --turn-text``) the FrozenLake goal is no longer reached.
 ``--model.lora.center_turns`` (up to ``n`` directions) also leaves out the leading directions of the scatter of the
 turns' mean states (:func:`turn_directions`, on the centred rows, fitted with ``U`` and appended to it; the turn of
-each scored position comes from :data:`ragen_pl.scoring.SCORED_TURNS`).
+each scored position comes from :data:`ragen_pl.scoring.SCORED_TURNS`). With a window of one turn,
+``--data.rollout.turn_header=false`` takes that text out of the prompt itself, so there is nothing to leave out.
 
 ``--model.lora.head_tokens`` makes the head adapter that readout exactly: ``lora_B`` fixed to one-hot columns on the
 given tokens' rows (FrozenLake's four actions), ``lora_A`` trained from zero. Only those tokens' logits move, so the
