@@ -8,8 +8,8 @@ through the shared part, 15x as fast as the part that depends on the board, and 
 wins: in the readout simulation the same board features that reach the FrozenLake goal in 1,280 trajectories learn
 nothing at any learning rate once given that geometry, as the SmolLM2 runs sharpened a board-blind prior. The centred
 head's adapter reads the hidden state less its components along the ``k`` leading directions ``U`` of the hidden states
-at the positions it scores (the top eigenvectors of their second moment, fixed at the first update's first micro-batch
-from the positions :data:`ragen_pl.scoring.SCORED_ROWS` marks; the adapter is 0 until then, so nothing sampled before
+at the positions it scores (the top eigenvectors of their second moment, fixed before the first update from every
+position the first batch scores, :func:`fit_centred_heads`; the adapter is 0 until then, so nothing sampled before
 depends on ``U``). Each kind of scored position (the action, then ``</``, ``answer``, ``>``) has its own shared part,
 so one direction (the mean) is not enough: on the warm SmolLM2's FrozenLake answers the shared part at the action
 position stays 4.82x the board part after the mean direction is projected out, and 0.06x after the 4 leading ones,
@@ -57,8 +57,8 @@ from torch import Tensor, nn
 from ragen_pl.config import LoraSettings
 from ragen_pl.scoring import SCORED_ROWS, SCORED_TURNS
 
-__all__ = ["add_lora", "head_folded", "head_token_ids", "project_out", "root_mean_square",
-           "shared_directions", "turn_directions", "untie_output_embeddings"]
+__all__ = ["add_lora", "centred_unfitted", "fit_centred_heads", "head_folded", "head_token_ids", "project_out",
+           "root_mean_square", "shared_directions", "turn_directions", "untie_output_embeddings"]
 
 SHARED_DIRECTIONS = "shared_directions"
 """The buffer of a centred head's ``lora_A`` module: the (hidden, k) orthonormal directions ``U`` it leaves out (zeros
@@ -193,6 +193,37 @@ def turn_directions(x: Tensor, turns: Tensor, n: int) -> Tensor:
     return out
 
 
+def centred_unfitted(policy: nn.Module) -> bool:
+    """Whether ``policy`` has a centred head whose directions are not fitted yet (before its first update)."""
+    return any(not bool(u.any()) for m in policy.modules()
+               if isinstance(m, nn.Linear) and (u := getattr(m, SHARED_DIRECTIONS, None)) is not None)
+
+
+def fit_centred_heads(policy: nn.Module, rows: Tensor, turns: Tensor | None = None) -> None:
+    """Fix ``U`` (and ``s``) of each centred head of ``policy`` not fitted yet from ``rows`` (N, H), what the head reads
+    at N scored positions, and ``turns`` (N,), their turns (needed with ``center_turns``). The update calls it with
+    the first batch's scored positions, all of them (:meth:`ragen_pl.update.StarPOUpdate.prepare`); a head that
+    reaches its first training forward unfitted fits on that forward's scored positions instead."""
+    for module in policy.modules():
+        u = getattr(module, SHARED_DIRECTIONS, None)
+        if isinstance(module, nn.Linear) and u is not None and not bool(u.any()):
+            _fit(module, rows, turns)
+
+
+def _fit(module: nn.Linear, rows: Tensor, turns: Tensor | None) -> None:
+    directions = getattr(module, SHARED_DIRECTIONS)
+    n_turns = getattr(module, TURN_DIRECTIONS, 0)
+    u = shared_directions(rows, directions.shape[1] - n_turns)
+    if n_turns:
+        if turns is None or turns.shape != rows.shape[:1] or bool((turns < 0).any()):
+            raise RuntimeError("the turn-centred head needs the turn of each scored position: score the rows "
+                               "with `turns=` (the batch's turn_ids)")
+        u = torch.cat([u, turn_directions(project_out(rows.double(), u), turns, n_turns)], 1)
+    directions.copy_(u)
+    if hasattr(module, FEATURE_SCALE):
+        getattr(module, FEATURE_SCALE).copy_(root_mean_square(project_out(rows.double(), directions.double())))
+
+
 def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     (h,) = args  # (..., H): the hidden states the head reads
     directions = getattr(module, SHARED_DIRECTIONS)
@@ -205,18 +236,7 @@ def _project_out_shared(module: nn.Linear, args: tuple[Tensor, ...]) -> tuple[Te
                                f"mask of shape {tuple(scored.shape)}")
         # Only the positions that score a token: the head also reads other rows' answer columns and padding, and a
         # shared prefix's forward (none of them in the loss).
-        rows = h[scored]
-        n_turns = getattr(module, TURN_DIRECTIONS, 0)
-        u = shared_directions(rows, directions.shape[1] - n_turns)
-        if n_turns:
-            turns = SCORED_TURNS.get()
-            if turns is None or turns.shape != rows.shape[:1] or bool((turns < 0).any()):
-                raise RuntimeError("the turn-centred head needs the turn of each scored position: score the rows "
-                                   "with `turns=` (the batch's turn_ids)")
-            u = torch.cat([u, turn_directions(project_out(rows.double(), u), turns, n_turns)], 1)
-        directions.copy_(u)
-        if hasattr(module, FEATURE_SCALE):
-            getattr(module, FEATURE_SCALE).copy_(root_mean_square(project_out(rows.double(), directions.double())))
+        _fit(module, h[scored], SCORED_TURNS.get())
     h = project_out(h, directions.to(h.dtype))
     scale = getattr(module, FEATURE_SCALE, None)
     return (h if scale is None else h / scale.to(h.dtype),)

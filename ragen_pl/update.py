@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ragen_pl.advantages import GAE, Advantage
 from ragen_pl.config import PPOConfig
+from ragen_pl.lora import centred_unfitted, fit_centred_heads
 from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_loss
 from ragen_pl.ops import masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
@@ -121,7 +122,9 @@ class StarPOUpdate:
         reuse the head's inputs (:meth:`reuses_head_inputs`), which this forward keeps.
         """
         reuse = self.reuses_head_inputs(models)
-        score_policy = reuse or not self.scores_old_policy_in_update(models, len(batch))
+        fit = centred_unfitted(models.policy)  # a centred head's directions come from every position this batch scores
+        collect = reuse or fit
+        score_policy = collect or not self.scores_old_policy_in_update(models, len(batch))
         self._head_inputs = None
         reads: list[tuple[Tensor, Tensor]] = []  # (rows, (N, H) what the head read at their scored positions)
         filled: dict[str, Tensor] = {}
@@ -139,10 +142,10 @@ class StarPOUpdate:
             if score_policy:
                 kept = self._kept(part, T)
                 s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
-                          share_prefix=self.ppo.share_prefix, kept=kept, pack=self.ppo.pack, keep_head_inputs=reuse)
+                          share_prefix=self.ppo.share_prefix, kept=kept, pack=self.ppo.pack, keep_head_inputs=collect)
                 fill("old_logprobs", idx, s.logprobs)
                 reuse = reuse and self._head_reproduces(models.policy, s, ids, attn, mask, batch.temperature, kept)
-                if reuse:
+                if collect:
                     reads.append((idx, s.head_inputs))
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
@@ -152,8 +155,12 @@ class StarPOUpdate:
                 fill("ref_logprobs", idx, self._reference_logprobs(models, ids, attn, mask, batch.temperature))
         for name, x in filled.items():
             setattr(batch, name, x)
-        if reuse and reads:
-            self._head_inputs = (batch, by_row(batch.loss_mask, reads))
+        read = by_row(batch.loss_mask, reads) if reads else None  # (B, K, H)
+        if fit and read is not None:  # (the adapter is 0 until the first step: the log-probs above do not depend on U)
+            turns = batch.turn_ids[:, 1:][batch.loss_mask[:, 1:]]  # row-major, the order of each row's slots
+            fit_centred_heads(models.policy, read[scored_slots(batch.loss_mask, read.shape[1])], turns)
+        if reuse and read is not None:
+            self._head_inputs = (batch, read)
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
             self._normalise_rewards(batch)

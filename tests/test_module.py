@@ -412,20 +412,30 @@ def test_lora_on_the_lm_head_reads_the_last_hidden_state_and_leaves_the_embeddin
     torch.testing.assert_close(merged["model.embed_tokens.weight"], embed_before)
 
 
-def _record_first_scored_input(module: torch.nn.Module) -> list[torch.Tensor]:
-    """A list that gets the scored positions ``module`` reads at the first training forward (a plain hook that runs
-    before the centring)."""
-    from ragen_pl.scoring import SCORED_ROWS
+def _record_first_batch(module: RagenModule) -> list:
+    """A list that gets the first batch ``module`` prepares: all of its scored positions fix a centred head's
+    directions."""
+    seen, prepare = [], module.updater.prepare
 
-    seen = []
+    def record(batch, models):
+        if not seen:
+            seen.append(batch)
+        return prepare(batch, models)
 
-    def record(m, a):
-        rows = SCORED_ROWS.get()
-        if torch.is_grad_enabled() and m.training and rows is not None and not seen:
-            seen.append(a[0][rows].detach().clone())
-
-    module.register_forward_pre_hook(record, prepend=True)
+    module.updater.prepare = record
     return seen
+
+
+def _scored_states(path, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, H) a plain forward of the base model's trunk at ``batch``'s N scored positions (row-major), and their
+    (N,) turns."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        h = AutoModelForCausalLM.from_pretrained(path).eval().model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    target = batch.loss_mask[:, 1:]  # the logits at t - 1 score token t
+    return h[:, :-1][target].double(), batch.turn_ids[:, 1:][target]
 
 
 @pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed"])
@@ -482,12 +492,13 @@ def test_centred_head_reads_what_differs_between_inputs(tiny_model_path):
                            rollout=RolloutConfig(max_turns=2, max_new_tokens=8), val_episodes=2)
     lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
     assert not getattr(lora_a, SHARED_DIRECTIONS).any()
-    seen = _record_first_scored_input(lora_a)
+    seen = _record_first_batch(module)
     trainer(1).fit(module, dm)
     u = getattr(lora_a, SHARED_DIRECTIONS)
     assert u.shape == (lora_a.in_features, 3)
     torch.testing.assert_close(u.T @ u, torch.eye(3), atol=1e-5, rtol=0)
-    h = seen[0].double()
+    h, _ = _scored_states(tiny_model_path, seen[0])  # every row's, not the first micro-batch's (2 of 4 rows)
+    assert len(seen[0]) == 4
     values, vectors = torch.linalg.eigh(h.T @ h)
     reference = vectors[:, -3:]  # the 3 largest, up to sign: compare the projectors
     torch.testing.assert_close((u @ u.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
@@ -539,11 +550,11 @@ def test_whitened_readout_head_moves_only_its_tokens(tiny_model_path):
     assert lora_a.weight.shape[0] == 2 and not lora_a.weight.any() and not lora_b.weight.requires_grad
     b = lora_b.weight.detach().clone()
     assert b.sum() == 2 and b[ids[0], 0] == 1 and b[ids[1], 1] == 1
-    seen = _record_first_scored_input(lora_a)
+    seen = _record_first_batch(module)
     trainer(1).fit(module, dm)
     assert torch.equal(lora_b.weight, b) and lora_a.weight.abs().max() > 1e-3
     u, scale = getattr(lora_a, SHARED_DIRECTIONS).double(), getattr(lora_a, FEATURE_SCALE).double()
-    h = seen[0].double()
+    h, _ = _scored_states(tiny_model_path, seen[0])
     centred = h - h @ u @ u.T
     rms = centred.pow(2).mean(0).sqrt()
     torch.testing.assert_close(scale, rms.clamp_min(1e-2 * float(rms.mean())), atol=1e-5, rtol=1e-4)
@@ -701,28 +712,24 @@ def test_turn_centred_head_leaves_out_the_turns_means(tiny_model_path):
     from ragen_pl.config import LoraSettings
     from ragen_pl.lora import SHARED_DIRECTIONS, head_folded, project_out, shared_directions, turn_directions
     from ragen_pl.policy import policy_state_dict
-    from ragen_pl.scoring import SCORED_TURNS
 
     module = RagenModule(str(tiny_model_path), advantage=GRPO(),
                          lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2, center_turns=2),
-                         ppo=PPOConfig(mini_batch_size=12, micro_batch_size=12), optim=OptimConfig(actor_lr=1e-2))
+                         ppo=PPOConfig(mini_batch_size=12, micro_batch_size=4), optim=OptimConfig(actor_lr=1e-2))
     dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=2,
                            rollout=RolloutConfig(max_turns=3, max_new_tokens=6, context_window=1))
     lora_a = module.policy.get_base_model().get_output_embeddings().lora_A["default"]
-    seen = _record_first_scored_input(lora_a)
-    turns = []
-    lora_a.register_forward_pre_hook(  # after the recorder (prepended) within the same first forward
-        lambda m, a: turns.append(SCORED_TURNS.get()) if seen and not turns else None)
+    seen = _record_first_batch(module)
     trainer(1).fit(module, dm)
     u = getattr(lora_a, SHARED_DIRECTIONS).double()
-    assert u.shape == (lora_a.in_features, 4) and sorted(set(turns[0].tolist())) == [0, 1, 2]
+    h, turns = _scored_states(tiny_model_path, seen[0])  # all 12 turn rows, not a micro-batch's 4
+    assert u.shape == (lora_a.in_features, 4) and len(seen[0]) == 12 and sorted(set(turns.tolist())) == [0, 1, 2]
     torch.testing.assert_close(u.T @ u, torch.eye(4, dtype=torch.float64), atol=1e-5, rtol=0)
-    h = seen[0].double()
     lead = shared_directions(h, 2)
     torch.testing.assert_close(u[:, :2] @ u[:, :2].T, lead @ lead.T, atol=1e-4, rtol=0)
-    by_turn = turn_directions(project_out(h, lead), turns[0], 2)
+    by_turn = turn_directions(project_out(h, lead), turns, 2)
     torch.testing.assert_close(u[:, 2:] @ u[:, 2:].T, by_turn @ by_turn.T, atol=1e-4, rtol=0)
-    means = torch.stack([h[turns[0] == t].mean(0) for t in range(3)])
+    means = torch.stack([h[turns == t].mean(0) for t in range(3)])
     assert (means[1:] - means[0]).norm() > 10 * project_out(means[1:] - means[0], u).norm()  # left out
     module.policy.eval()
     ids = module.tokenizer("Turn 2:\nState:\n#_P_#", return_tensors="pt")["input_ids"]
