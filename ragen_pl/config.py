@@ -28,6 +28,12 @@ def check_choice(flag: str, value: Any, choices: Any) -> None:
         raise ValueError(f"`{flag}` must be one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
+def check_bool(flag: str, value: Any) -> None:
+    """Refuse anything but ``True`` or ``False`` (a string such as ``"no"`` is not false)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{flag}` must be true or false, got {value!r}")
+
+
 def check_int(flag: str, value: Any, low: int = 1) -> None:
     """Refuse anything but an integer >= ``low`` (``True`` is not an integer here)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -244,8 +250,7 @@ class LoraSettings:
         if self.center_turns and not self.center_head:
             raise ValueError("`--model.lora.center_turns` adds directions to the centred head's: it needs "
                              "`--model.lora.center_head` >= 1, got 0")
-        if not isinstance(self.whiten_head, bool):
-            raise ValueError(f"`--model.lora.whiten_head` must be true or false, got {self.whiten_head!r}")
+        check_bool("--model.lora.whiten_head", self.whiten_head)
         if self.whiten_head and not self.center_head:
             raise ValueError("`--model.lora.whiten_head` scales the centred head's input: it needs "
                              "`--model.lora.center_head` >= 1, got 0")
@@ -310,8 +315,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_actions_per_turn", "max_actions_per_episode"):
             check_int(f"--data.rollout.{name}", getattr(self, name))
-        if not isinstance(self.turn_header, bool):
-            raise ValueError(f"`--data.rollout.turn_header` must be true or false, got {self.turn_header!r}")
+        check_bool("--data.rollout.turn_header", self.turn_header)
         check_choice("--data.rollout.reward_placement", self.reward_placement, Literal["turn", "last_turn"])
         if self.context_window is not None and (isinstance(self.context_window, bool) or
                                                 not isinstance(self.context_window, int) or self.context_window < 1):
