@@ -19,15 +19,21 @@ __all__ = ["cache_dir", "resolve_model"]
 def resolve_model(name: str) -> str:
     """A named model -> its local folder (built on first use); anything else unchanged."""
     from ragen_pl.errors import ConfigError
-    from ragen_pl.models.smollm2 import SMOLLM2, SMOLLM2_WARM, build_smollm2, build_smollm2_warm
+    from ragen_pl.models.smollm2 import (
+        SMOLLM2,
+        SMOLLM2_WARM,
+        build_smollm2,
+        build_smollm2_warm,
+        warm_start_key,
+    )
     from ragen_pl.models.tiny import TINY_MODEL_ID, build_warm_tiny_model
 
     if name == TINY_MODEL_ID:
         return str(build_warm_tiny_model())
     if name == SMOLLM2:
         return str(build_smollm2())
-    if name.startswith(SMOLLM2 + "-warm-"):
-        env = name[len(SMOLLM2 + "-warm-"):]
+    env = warm_start_key(name)
+    if env is not None:
         if env not in SMOLLM2_WARM:
             raise ConfigError(f"`--model.model` {name!r}: no such warm start; choose one of "
                               f"{', '.join(SMOLLM2 + '-warm-' + e for e in SMOLLM2_WARM)}")

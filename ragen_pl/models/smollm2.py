@@ -95,10 +95,18 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     return out
 
 
+def warm_start_key(name: str) -> str | None:
+    """The :data:`SMOLLM2_WARM` key a model name ``ragen-pl/smollm2-135m-warm-<key>`` asks for (known or not); None
+    for any other name."""
+    prefix = SMOLLM2 + "-warm-"
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
 def warm_layout_mismatch(name: str, rollout) -> str | None:
     """What differs between the prompt layout SmolLM2 warm start ``name`` was taught and the config's ``rollout``
     (a :class:`~ragen_pl.config.RolloutConfig`), as one line; None when they agree or ``name`` is no warm start."""
-    recipe = SMOLLM2_WARM.get(name[len(SMOLLM2 + "-warm-"):]) if name.startswith(SMOLLM2 + "-warm-") else None
+    key = warm_start_key(name)
+    recipe = SMOLLM2_WARM.get(key) if key is not None else None
     if recipe is None:
         return None
     from ragen_pl.config import RolloutConfig
@@ -151,4 +159,5 @@ def build_smollm2(overwrite: bool = False) -> Path:
     return out
 
 
-__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf", "warm_layout_mismatch"]
+__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf", "warm_layout_mismatch",
+           "warm_start_key"]
