@@ -98,9 +98,9 @@ def optimal_first_actions(env) -> set[str]:
 
 
 def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
-    """Over the first turns of n eval seeds: how often the greedy first action is optimal (and a uniformly random
-    one's chance), and for FrozenLake the mean success probability of the chosen action (uniformly random: the mean
-    over actions; optimal: the best)."""
+    """Over the first turns of n eval seeds, in the config's prompt layout: how often the greedy first action is
+    optimal (and a uniformly random one's chance), and for FrozenLake the mean success probability of the chosen
+    action (uniformly random: the mean over actions; optimal: the best)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,7 +121,7 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
     for i in range(n):
         env = make_env(data["env"])
         obs = env.reset(data.get("val_seed", 1_000_000) + i)
-        first = first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt)
+        first = first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt, rollout.turn_header)
         prompts.append(ChatTokens(tok, rollout.system_prompt, first, rollout.think).ids)
         optimal.append(optimal_first_actions(env))
         values.append(action_values(env))

@@ -43,6 +43,30 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
                      r"[-+][0-9.]+ vs random effective$", text,
                      re.MULTILINE), text
 
+    # benchmarks/policy_reading.py on that run: the greedy first action of its start and of its last weights
+    run = next((tmp_path / "runs").rglob("checkpoints")).parent
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_reading.py"), str(run), "--boards", "6",
+                          "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = (r"first action optimal ([0-9.]+) \(random ([0-9.]+)\), its success probability ([0-9.]+) \(random "
+            r"action ([0-9.]+), best action ([0-9.]+)\)$")
+    rows = [re.search(rf"^  {who} .*: {line}", out.stdout, re.MULTILINE) for who in ("start", "last weights")]
+    assert all(rows), out.stdout
+    for row in rows:
+        optimal, chance, q, q_random, q_best = map(float, row.groups())
+        assert 0.0 <= optimal <= 1.0 and 0.25 <= chance <= 1.0  # every board has at least one optimal action of 4
+        assert q <= q_best + 1e-9 and q_random <= q_best + 1e-9  # no action beats the best one
+    assert rows[0].group(2) == rows[1].group(2)  # the same boards for both
+
+
+def test_policy_reading_refuses_a_folder_that_is_not_a_run(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_reading.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"policy_reading.py: error: RUN {tmp_path}: no config.yaml (give a run's version folder, the one that holds "
+        "config.yaml and checkpoints/)")
+
 
 @pytest.mark.parametrize("args, message", [
     (["--env", "bandit", "--state-only"], "--state-only: Bandit has one turn"),
