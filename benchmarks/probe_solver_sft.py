@@ -102,13 +102,14 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
     optimal (and a uniformly random one's chance), and for FrozenLake the mean success probability of the chosen
     action (uniformly random: the mean over actions; optimal: the best)."""
     import torch
+    from probe_reading import first_turn  # here: probe_reading imports this module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragen_pl.config import RolloutConfig
     from ragen_pl.rollout.chat import ChatTokens
     from ragen_pl.rollout.engine import SamplingParams
     from ragen_pl.rollout.hf import HFEngine
-    from ragen_pl.rollout.prompt import first_user_message, format_instruction, parse_answer
+    from ragen_pl.rollout.prompt import parse_answer
 
     data = cfg["data"]
     rollout = RolloutConfig(**data["rollout"])
@@ -116,13 +117,11 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
     tok = AutoTokenizer.from_pretrained(path)
     engine = HFEngine(seed=0)
     engine.bind(model, tok)
-    fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
     prompts, optimal, values = [], [], []
     for i in range(n):
         env = make_env(data["env"])
         obs = env.reset(data.get("val_seed", 1_000_000) + i)
-        first = first_user_message(env.instructions, obs, rollout.max_actions_per_episode, fmt, rollout.turn_header)
-        prompts.append(ChatTokens(tok, rollout.system_prompt, first, rollout.think).ids)
+        prompts.append(ChatTokens(tok, rollout.system_prompt, first_turn(cfg, env, obs), rollout.think).ids)
         optimal.append(optimal_first_actions(env))
         values.append(action_values(env))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16()):
