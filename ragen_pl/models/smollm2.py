@@ -105,8 +105,7 @@ def warm_start_key(name: str) -> str | None:
 def warm_layout_mismatch(name: str, rollout) -> str | None:
     """What differs between the prompt layout SmolLM2 warm start ``name`` was taught and the config's ``rollout``
     (a :class:`~ragen_pl.config.RolloutConfig`), as one line; None when they agree or ``name`` is no warm start."""
-    key = warm_start_key(name)
-    recipe = SMOLLM2_WARM.get(key) if key is not None else None
+    recipe = SMOLLM2_WARM.get(warm_start_key(name))
     if recipe is None:
         return None
     from ragen_pl.config import RolloutConfig
