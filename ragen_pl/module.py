@@ -55,6 +55,7 @@ class RagenModule(pl.LightningModule):
         optim: OptimConfig | None = None,
         reward_norm: RewardNorm | None = None,
         critic: Literal["separate", "shared"] = "separate",
+        value_input: Literal["raw", "standardised"] = "raw",
         lora: LoraSettings | None = None,
         gradient_checkpointing: bool = False,
         dtype: Literal["float32", "bfloat16"] = "float32",
@@ -73,6 +74,9 @@ class RagenModule(pl.LightningModule):
             optim: optimiser settings.
             reward_norm: trajectory reward normalisation (default off).
             critic: a separate value model (paper) or a value head on the policy's own trunk.
+            value_input: the shared value head reads the last hidden state as it is, or standardised (each
+                dimension less its mean, over its spread, fixed at the first update: a readout's frozen trunk,
+                :class:`ragen_pl.policy.StandardisedHead`).
             lora: train LoRA adapters instead of all weights (needs ``pip install 'ragen-pl[peft]'``).
             gradient_checkpointing: trade compute for activation memory.
             dtype: weights dtype; use bf16-mixed precision in the trainer for bf16 compute.
@@ -88,9 +92,16 @@ class RagenModule(pl.LightningModule):
         from ragen_pl.models import resolve_model
 
         check_choice("--model.critic", critic, Literal["separate", "shared"])
+        check_choice("--model.value_input", value_input, Literal["raw", "standardised"])
         check_choice("--model.dtype", dtype, Literal["float32", "bfloat16"])
-        self.model_name = resolve_model(model)  # `ragen-pl/tiny`, `ragen-pl/smollm2-135m`: models built offline
         self.advantage = advantage if advantage is not None else GAE()
+        self.uses_critic = type(self.advantage).needs_critic
+        if value_input == "standardised" and not (critic == "shared" and self.uses_critic):
+            why = (f"`--model.critic={critic}`" if critic != "shared"
+                   else f"the advantage {type(self.advantage).__name__} builds no critic")
+            raise ValueError("`--model.value_input=standardised` needs a value head on the policy's trunk "
+                             f"(`--model.critic=shared` and an advantage with a critic, such as GAE), got {why}")
+        self.model_name = resolve_model(model)  # `ragen-pl/tiny`, `ragen-pl/smollm2-135m`: models built offline
         self.ppo = from_saved(PPOConfig, ppo, legacy=_LEGACY_PPO)
         self.optim = from_saved(OptimConfig, optim)
         self.reward_norm = from_saved(RewardNorm, reward_norm)
@@ -108,10 +119,10 @@ class RagenModule(pl.LightningModule):
                             collapse=asdict(self.collapse) if self.collapse is not None else None,
                             advantage=_class_path(self.advantage), advantage_args=_init_args(self.advantage),
                             policy_loss=_class_path(self.policy_loss), policy_loss_args=_init_args(self.policy_loss))
-        self.uses_critic = type(self.advantage).needs_critic
         self.tokenizer, models = load_models(
             self.model_name, critic=critic if self.uses_critic else None, kl=self.ppo.kl_coeff > 0, lora=self.lora,
-            gradient_checkpointing=gradient_checkpointing, dtype=self.torch_dtype)
+            gradient_checkpointing=gradient_checkpointing, dtype=self.torch_dtype,
+            standardise_values=value_input == "standardised")
         self.policy: nn.Module = models.policy
         self.critic: nn.Module | None = models.critic
         self.value_head: nn.Module | None = models.value_head

@@ -88,21 +88,25 @@ class StarPOUpdate:
                 and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
 
     def reuses_head_inputs(self, models: Models) -> bool:
-        """Whether the update's steps run only the LM head, on what it read when ``prepare`` scored the rollout: only
-        the head trains (:func:`~ragen_pl.scoring.trunk_is_frozen`: a readout, ``--model.lora.target_modules=
-        [lm_head]``), so the trunk's output is the same in every step, and no value head reads the trunk. Each
-        micro-batch then costs a head's forward and backward instead of the whole model's; the log-probs are the
-        same (checked on the first micro-batch a model scores: else it keeps the full forward)."""
-        return (models.value_head is None and trunk_is_frozen(models.policy)
-                and self._head_checked.get(models.policy, True))
+        """Whether the update's steps run only the LM head (and a value head on the policy's trunk), on what the LM
+        head read when ``prepare`` scored the rollout: only the heads train (:func:`~ragen_pl.scoring.trunk_is_frozen`:
+        a readout, ``--model.lora.target_modules=[lm_head]``), so the trunk's output is the same in every step. Each
+        micro-batch then costs the heads' forward and backward instead of the whole model's; the log-probs and
+        values are the same (checked on the first micro-batch a model scores: else it keeps the full forward)."""
+        return trunk_is_frozen(models.policy) and self._head_checked.get(models.policy, True)
 
-    def _head_reproduces(self, model: torch.nn.Module, s: Scores, ids: Tensor, attn: Tensor, mask: Tensor,
+    def _head_reproduces(self, models: Models, s: Scores, ids: Tensor, attn: Tensor, mask: Tensor,
                          temperature: float, kept: Tensor | None) -> bool:
         """Once per model: whether the head alone, on what it read, gives the forward's log-probs (not for a model
-        that transforms the logits after its head, as Gemma's soft-capping does)."""
+        that transforms the logits after its head, as Gemma's soft-capping does), and a value head on it the values
+        it gives on the last hidden states (not where those are not what the LM head reads)."""
+        model = models.policy
         if model not in self._head_checked:
             again = score(model, ids, attn, mask, temperature, kept=kept, head_inputs=s.head_inputs)
             gap = (again.logprobs - s.logprobs).abs().max() if bool(mask.any()) else torch.zeros(())
+            if models.value_head is not None and s.hidden is not None and bool(mask.any()):
+                values = models.values_at(mask, s.head_inputs)
+                gap = torch.maximum(gap, (values - models.shared_values(s.hidden))[mask].abs().max())
             self._head_checked[model] = bool(gap < HEAD_REUSE_TOLERANCE)
         return self._head_checked[model]
 
@@ -123,6 +127,8 @@ class StarPOUpdate:
         """
         reuse = self.reuses_head_inputs(models)
         fit = centred_unfitted(models.policy)  # a centred head's directions come from every position this batch scores
+        fit_values = getattr(models.value_head, "fitted", None) is not None and not bool(models.value_head.fitted)
+        value_reads: list[Tensor] = []  # (N, H) the states a standardised value head reads, to fit it on
         collect = reuse or fit
         score_policy = collect or not self.scores_old_policy_in_update(models, len(batch))
         self._head_inputs = None
@@ -144,11 +150,13 @@ class StarPOUpdate:
                 s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
                           share_prefix=self.ppo.share_prefix, kept=kept, pack=self.ppo.pack, keep_head_inputs=collect)
                 fill("old_logprobs", idx, s.logprobs)
-                reuse = reuse and self._head_reproduces(models.policy, s, ids, attn, mask, batch.temperature, kept)
+                reuse = reuse and self._head_reproduces(models, s, ids, attn, mask, batch.temperature, kept)
                 if collect:
                     reads.append((idx, s.head_inputs))
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
+                    if fit_values:  # the value of token t is read at position t - 1
+                        value_reads.append(s.hidden[:, :-1][mask[:, 1:]])
             if models.critic is not None:
                 fill("values", idx, models.critic_values(ids, attn, mask, self.ppo.share_prefix, self.ppo.pack))
             if self.ppo.kl_coeff > 0:
@@ -159,6 +167,8 @@ class StarPOUpdate:
         if fit and read is not None:  # (the adapter is 0 until the first step: the log-probs above do not depend on U)
             turns = batch.turn_ids[:, 1:][batch.loss_mask[:, 1:]]  # row-major, the order of each row's slots
             fit_centred_heads(models.policy, read[scored_slots(batch.loss_mask, read.shape[1])], turns)
+        if fit_values and value_reads:  # (the value head is 0 until its first step: the values above do not depend on it)
+            models.value_head.fit(torch.cat(value_reads))
         if reuse and read is not None:
             self._head_inputs = (batch, read)
         metrics: dict[str, Tensor] = {}
@@ -215,9 +225,9 @@ class StarPOUpdate:
         scale = self.loss_denominator(mask) / mini_count
         if head_inputs is not None:
             head_inputs = head_inputs[scored_slots(mask, head_inputs.shape[1])]
-        s = score(models.policy, ids, attn, mask, part.temperature, entropy=True, hidden=models.value_head is not None,
-                  share_prefix=p.share_prefix, kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs,
-                  turns=part.turn_ids[:, :T])
+        s = score(models.policy, ids, attn, mask, part.temperature, entropy=True,
+                  hidden=models.value_head is not None and head_inputs is None, share_prefix=p.share_prefix,
+                  kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs, turns=part.turn_ids[:, :T])
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
         advantages, off_metrics = off_policy_correction(
@@ -240,7 +250,7 @@ class StarPOUpdate:
         critic = None
         if models.has_critic:
             values = (models.critic_values(ids, attn, mask, p.share_prefix, p.pack) if models.critic is not None
-                      else models.shared_values(s.hidden))
+                      else models.shared_values(s.hidden) if head_inputs is None else models.values_at(mask, head_inputs))
             vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg, norm)
             metrics.update(vm)
             metrics["loss/value"] = vf.detach()

@@ -63,6 +63,9 @@ def test_yaml_error_names_file_and_line(capsys, tmp_path):
                                     "Got value: k9"),
     ("--data.rollout.max_seq_len=100000", "error: `--data.rollout.max_seq_len` (100000) must be <= the model's context "
                                           "(4096 positions)"),
+    ("--model.value_input=standardised", "error: `--model.value_input=standardised` needs a value head on the policy's "
+                                         "trunk (`--model.critic=shared` and an advantage with a critic, such as GAE), "
+                                         "got `--model.critic=separate`"),
 ])
 def test_config_object_errors_are_one_line(capsys, tiny_model_path, flag, expected):
     with pytest.raises(SystemExit) as info:

@@ -167,6 +167,25 @@ def test_shared_critic_with_gradient_checkpointing_and_kl_reward(tiny_model_path
     assert opt.param_groups[1]["params"] == list(module.value_head.parameters())
 
 
+def test_a_readout_with_a_standardised_value_head_trains_both_heads_alone(tiny_model_path):
+    """`--model.critic=shared --model.value_input=standardised` on a readout (LoRA on the LM head only): the value
+    head is fitted at the first update and trains, and the update's steps run no trunk position."""
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.policy import StandardisedHead
+
+    module = RagenModule(str(tiny_model_path), advantage=GAE(lam=0.9), critic="shared", value_input="standardised",
+                         lora=LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2, whiten_head=True),
+                         ppo=PPOConfig(mini_batch_size=4, micro_batch_size=2), optim=OptimConfig(critic_lr=3e-2))
+    assert isinstance(module.value_head, StandardisedHead) and not bool(module.value_head.fitted)
+    dm = RolloutDataModule(Sokoban(), n_groups=2, group_size=2, filter=NoFilter(),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=8))
+    t = trainer(2)
+    t.fit(module, dm)
+    m = t.callback_metrics
+    assert bool(module.value_head.fitted) and float(module.value_head.linear.weight.detach().abs().max()) > 0
+    assert torch.isfinite(m["loss/value"]) and float(m["throughput/update_positions"]) == 0
+
+
 @pytest.mark.parametrize("advantage", [GAE(), GRPO()], ids=["gae", "grpo"])
 def test_training_with_a_context_window(tiny_model_path, advantage):
     """Turns as rows: filtering keeps whole trajectories, reward normalisation counts each trajectory once."""

@@ -310,6 +310,78 @@ def test_a_head_only_update_runs_only_the_head_and_trains_the_same_weights(tiny,
         torch.testing.assert_close(p, full[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("standardise", [False, True], ids=["raw value head", "standardised value head"])
+def test_a_head_only_update_with_a_value_head_trains_the_same_heads(tiny, standardise, monkeypatch):
+    """PPO with GAE and a value head on the policy's trunk, only the LM head adapted (a readout): the steps run the
+    LM head and the value head alone on what the LM head read, and the adapter, the value head, the values and the
+    losses are those of the update that runs the whole model in every micro-batch. A standardised value head is
+    fitted once, on the first batch's value positions, before its first step."""
+    from ragen_pl.advantages import GAE
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import add_lora
+    from ragen_pl.policy import StandardisedHead, zero_head
+
+    base, tok = tiny
+    batch = _sokoban_batch(base, tok)
+
+    def train(reuse: bool):
+        torch.manual_seed(0)
+        policy = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2,
+                                                            whiten_head=True), tok).train()
+        size = base.config.hidden_size
+        head = StandardisedHead(size) if standardise else zero_head(size)
+        update = StarPOUpdate(GAE(lam=0.9), PPOConfig(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2))
+        if not reuse:
+            monkeypatch.setattr(update, "reuses_head_inputs", lambda models: False)
+        models = Models(policy, value_head=head, lora=True)
+        assert update.reuses_head_inputs(models) == reuse
+        b = copy.copy(batch)
+        update.prepare(b, models)
+        if standardise:
+            assert bool(head.fitted) and float(head.scale.min()) > 0
+        params = [p for p in policy.parameters() if p.requires_grad] + list(head.parameters())
+        metrics = update.step(b, models, [torch.optim.Adam(params, lr=1e-2)])
+        trained = {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
+        trained.update({f"value_head.{n}": p.detach() for n, p in head.named_parameters()})
+        return trained, metrics, b
+
+    reused, m_reused, b_reused = train(True)
+    full, m_full, b_full = train(False)
+    assert float(m_reused["throughput/update_positions"]) == 0 < float(m_full["throughput/update_positions"])
+    torch.testing.assert_close(b_reused.values, b_full.values)
+    for name in ("loss/policy", "loss/value", "actor/grad_norm"):
+        torch.testing.assert_close(m_reused[name], m_full[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert float(reused["value_head.linear.weight" if standardise else "value_head.weight"].abs().max()) > 0
+    for name, p in reused.items():
+        torch.testing.assert_close(p, full[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_standardised_value_head_reads_each_dimension_less_its_mean_over_its_spread():
+    """Hand-derived: states (1, 2), (3, 6), (2, 4) have mean (2, 4) and root mean square deviations (sqrt(2/3),
+    2 sqrt(2/3)), so the head reads (-1, -1), (1, 1), (0, 0) times sqrt(3/2); a dimension that does not vary is
+    read at the floor (1% of the mean spread), not divided by 0. Before its fit and its first step it is 0."""
+    import math
+
+    from ragen_pl.policy import StandardisedHead
+
+    head = StandardisedHead(3)
+    states = torch.tensor([[1.0, 2.0, 5.0], [3.0, 6.0, 5.0], [2.0, 4.0, 5.0]])
+    assert float(head(states).detach().abs().max()) == 0 and not bool(head.fitted)
+    head.fit(states)
+    r = math.sqrt(2 / 3)
+    torch.testing.assert_close(head.mean, torch.tensor([2.0, 4.0, 5.0]))
+    torch.testing.assert_close(head.scale, torch.tensor([r, 2 * r, 0.01 * (3 * r) / 3]))
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.tensor([[1.0, 1.0, 1.0]]))
+        head.linear.bias.fill_(0.5)
+    expected = torch.tensor([-2.0, 2.0, 0.0]) / r + 0.5
+    torch.testing.assert_close(head(states).squeeze(-1), expected)
+    again = StandardisedHead(3)
+    again.load_state_dict(head.state_dict())  # a checkpoint keeps the fit
+    assert bool(again.fitted)
+    torch.testing.assert_close(again(states), head(states))
+
+
 def test_a_head_is_run_alone_only_where_the_trunk_is_frozen_and_nothing_follows_the_head(tiny):
     """LoRA on a layer, or full weights: the trunk trains, so the update runs the whole model. A model that changes
     its logits after the head (as Gemma's soft-capping does): the head alone does not reproduce the forward, which
