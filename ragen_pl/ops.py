@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ragen_pl.dist import sum_over_processes
 
-__all__ = ["group_stats", "masked_mean", "masked_whiten"]
+__all__ = ["group_stats", "last_true", "masked_mean", "masked_whiten"]
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -56,3 +56,9 @@ def group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tens
     sq = torch.zeros_like(count).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     return mean[inverse], std[inverse], count[inverse]
+
+
+def last_true(mask: Tensor) -> Tensor:
+    """(B,) index of the last true position of each row of ``mask`` (B, T) (0 if none)."""
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, pos, -1).max(-1).values.clamp(min=0)

@@ -25,7 +25,7 @@ from ragen_pl.advantages import GAE, Advantage
 from ragen_pl.config import PPOConfig
 from ragen_pl.lora import centred_unfitted, fit_centred_heads
 from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_loss
-from ragen_pl.ops import masked_mean
+from ragen_pl.ops import last_true, masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.scoring import Scores, by_row, score, scored_slots, trunk_is_frozen
@@ -198,7 +198,7 @@ class StarPOUpdate:
         last_row = torch.zeros_like(first).scatter_reduce(0, inverse, torch.arange(len(batch), device=first.device),
                                                           reduce="amax", include_self=False)
         rewards = torch.zeros_like(batch.rewards)
-        rewards[last_row, _last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
+        rewards[last_row, last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
         batch.rewards = torch.where(batch.loss_mask, rewards, 0.0)
 
     def _kept(self, part: TrajectoryBatch, T: int) -> Tensor | None:
@@ -416,10 +416,3 @@ def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tenso
     """
     lengths = attention_mask[rows].sum(-1)  # (len(rows),)
     return list(rows[torch.argsort(lengths, descending=True, stable=True)].split(size))
-
-
-def _last_true(mask: Tensor) -> Tensor:
-    """(B,) index of the last true position per row (0 if none)."""
-    T = mask.shape[1]
-    pos = torch.arange(T, device=mask.device).expand_as(mask)
-    return torch.where(mask, pos, -1).max(-1).values.clamp(min=0)
