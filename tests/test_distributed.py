@@ -83,17 +83,19 @@ SMALL = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, head only"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, head only", "ddp, head only, standardised value head"])
 def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
     """Two processes train; with only a LoRA head trained under DDP, the update's steps run the head alone (no trunk
-    position in the update)."""
+    position in the update), and a standardised value head on the policy's trunk (fitted over both ranks) with it."""
     args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml")]
     if strategy == "fsdp2":
         args += ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml")]
     else:
         args += ["--trainer.strategy=ddp"]
-    if strategy == "ddp, head only":
+    if strategy.startswith("ddp, head only"):
         args += ["--model.lora.target_modules=[lm_head]", "--model.lora.r=4", "--model.lora.alpha=8"]
+    if strategy.endswith("standardised value head"):
+        args += ["--model.critic=shared", "--model.value_input=standardised"]
     args += [f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}", *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
@@ -107,7 +109,8 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["filter/kept_frac"]) == 0.5  # top 50% of the 4 groups of both ranks together
         assert float(r["train/optimizer_steps"]) >= 1
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
-        assert (float(r["throughput/update_positions"]) == 0) == (strategy == "ddp, head only")
+        assert (float(r["throughput/update_positions"]) == 0) == strategy.startswith("ddp, head only")
+        assert float(r["loss/value"]) == float(r["loss/value"])
 
 
 @pytest.mark.slow
