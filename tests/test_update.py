@@ -356,6 +356,33 @@ def test_a_head_only_update_with_a_value_head_trains_the_same_heads(tiny, standa
         torch.testing.assert_close(p, full[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_value_head_is_run_on_the_lm_heads_inputs_only_where_they_are_its_hidden_states(tiny):
+    """A model whose returned last hidden state is not what its LM head reads: the log-probs still match, but a
+    value head on those hidden states would read other states in the head-only steps, so the update keeps the whole
+    model (without a value head it may run the head alone)."""
+    from ragen_pl.advantages import GAE
+    from ragen_pl.config import LoraSettings
+    from ragen_pl.lora import add_lora
+    from ragen_pl.policy import zero_head
+
+    base, tok = tiny
+    batch = _sokoban_batch(base, tok)
+    for value_head in (None, zero_head(base.config.hidden_size)):
+        head = add_lora(copy.deepcopy(base), LoraSettings(r=4, alpha=8, target_modules=["lm_head"]), tok)
+
+        def shifted(module, args, out):
+            if out.hidden_states is not None:
+                out.hidden_states = (*out.hidden_states[:-1], out.hidden_states[-1] + 1.0)
+            return out
+
+        head.get_base_model().register_forward_hook(shifted)
+        update = StarPOUpdate(GAE() if value_head is not None else GRPO(),
+                              PPOConfig(mini_batch_size=4, micro_batch_size=2))
+        models = Models(head, value_head=value_head, lora=True)
+        update.prepare(copy.copy(batch), models)
+        assert update.reuses_head_inputs(models) == (value_head is None)
+
+
 def test_a_standardised_value_head_reads_each_dimension_less_its_mean_over_its_spread():
     """Hand-derived: states (1, 2), (3, 6), (2, 4) have mean (2, 4) and root mean square deviations (sqrt(2/3),
     2 sqrt(2/3)), so the head reads (-1, -1), (1, 1), (0, 0) times sqrt(3/2); a dimension that does not vary is
