@@ -16,6 +16,8 @@ table rebuilt with ``--from-runs`` uses the alarm's current rule), beside what t
     python benchmarks/findings.py [--seeds 0 1 2] [--steps 20] [--out runs/findings]
     python benchmarks/findings.py --quick     # a smoke test: 1 seed, 2 conditions, 2 iterations
     python benchmarks/findings.py --from-runs # the table and figures again, from the runs under --out
+    python benchmarks/findings.py --grid collapse --from-csv tests/data/echo_trap/heldout --seeds 9 10 11
+        # the table of the collapse grid's runs kept in the repository
     python benchmarks/findings.py --grid collapse [--conditions NAME ...] [ragen-pl fit flags, e.g.
         --model.optim.actor_lr=2e-3]      # the setting where PPO collapses; fit flags come last and override
 
@@ -86,6 +88,10 @@ COLLAPSE_CONDITIONS: dict[str, tuple[list[str], str]] = {
     "no filter, not whitened": (["--data.filter.init_args.top_p=1.0", "--model.advantage.init_args.whiten=false"],
                                 "(not in the paper)"),
 }
+COLLAPSE_RECORDED = {COLLAPSE_NONE: "ppo_lr3e-3_nofilter", "drop zero-variance groups": "ppo_lr3e-3_dropzero",
+                     "no filter, not whitened": "ppo_lr3e-3_notwhitened"}
+"""The collapse grid's runs kept in ``tests/data/echo_trap/heldout`` (seeds 3-11 without the filter, 9-11 the other
+two): ``--from-csv tests/data/echo_trap/heldout`` prints their table."""
 COLLAPSE_COMPARISONS = {
     "filter": [COLLAPSE_NONE, "filter top_p 0.75", "filter top_p 0.5", "filter top_p 0.25"],
     "kl": [COLLAPSE_NONE, "no filter, KL 0.001"],
@@ -107,13 +113,15 @@ class Grid:
     """Flags ``--quick`` adds to the grid's own (besides its smaller rollout)."""
     collapse_table: bool = False
     """Print the collapse columns (collapse iteration, reward std, entropy, I(X;Z))."""
+    recorded: dict[str, str] | None = None
+    """Condition -> the name its runs' metrics were recorded under (``<name>_seed<k>.csv``), for ``--from-csv``."""
 
 
 GRIDS = {
     "quickstart": Grid(MEASURED_WITH, 20, CONDITIONS, COMPARISONS, (BASE, "GRPO")),
     "collapse": Grid(COLLAPSE_BASE, 30, COLLAPSE_CONDITIONS, COLLAPSE_COMPARISONS, (COLLAPSE_NONE, "filter top_p 0.5"),
                      quick_flags=("--model.collapse.samples=4", "--model.collapse.every_n_steps=1"),
-                     collapse_table=True),
+                     collapse_table=True, recorded=COLLAPSE_RECORDED),
 }
 
 HALVED_FROM = 0.3
@@ -125,7 +133,8 @@ COLLAPSE_MIN = 3
 def curves(metrics: Path) -> dict[str, list[float]]:
     """The logged per-iteration series of a run that the collapse table reads (name -> values in step order)."""
     with open(metrics) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("time/iteration") or r.get("collapse/mi")]
+        rows = [r for r in csv.DictReader(f)  # the training steps' rows (a recorded run may keep no time/*)
+                if r.get("rollout/success") or r.get("time/iteration") or r.get("collapse/mi")]
     keys = {k for r in rows for k in r if (k.startswith("rollout/") and k.endswith("/success") and k.count("/") == 2)
             or k in ("rollout/group_reward_std", "rollout/token_entropy", "collapse/mi", "collapse/mi_upper_bound")}
     return {k: [float(r[k]) for r in rows if r.get(k)] for k in sorted(keys)}
@@ -149,19 +158,14 @@ def collapse_iteration(success: list[float]) -> int | None:
 
 
 def alarm_steps(metrics: Path) -> list[int]:
-    """Iterations at which the Echo Trap alarm (its current defaults) fires on a run's logged metrics."""
+    """Iterations (1-based, as the table's other columns) at which the Echo Trap alarm (its current defaults) fires
+    on a run's logged metrics, replayed as ``benchmarks/echo_trap.py`` does (a step's rows merged; a record kept with
+    the alarm's columns only will do)."""
+    from echo_trap import load, replay
+
     from ragen_pl.echo_trap import EchoTrapAlarm
 
-    alarm, fired = EchoTrapAlarm(), []
-    with open(metrics) as f:
-        for row in csv.DictReader(f):
-            if not row.get("loss/policy"):
-                continue
-            alarm.observe({k: float(v) for k, v in row.items() if v not in ("", None)})
-            if alarm.firing:
-                fired.append(int(row["step"]))
-                alarm.fired_tags.add(alarm.last_tag or "")
-    return fired
+    return sorted(step + 1 for step in replay(load(metrics), EchoTrapAlarm()).fired.values())
 
 
 def fmt_range(values: list[float]) -> str:
@@ -176,9 +180,11 @@ def halved_from_start(series: list[float]) -> int | None:
 
 
 def count_at(iterations: list[int | None]) -> str:
-    """``k of n (at [...])``: how many runs an event happened in, and at which iterations."""
+    """``k of n (at i, -, j)``: how many runs an event happened in, and at which iteration in each, in the order of
+    the seeds (``-``: not in that one)."""
     seen = [i for i in iterations if i is not None]
-    return f"{len(seen)} of {len(iterations)}" + (f" (at {seen})" if seen else "")
+    at = ", ".join("-" if i is None else str(i) for i in iterations)
+    return f"{len(seen)} of {len(iterations)}" + (f" (at {at})" if seen else "")
 
 
 def trend(runs: list[dict], key: str) -> str:
@@ -195,12 +201,12 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
         print("|" + " --- |" * (len(envs) + 3))
     else:
         print("| condition | " + " | ".join(f"{env}: final, collapse at" for env in envs)
-              + " | group reward std | entropy | entropy halved at | I(X;Z) (of log N) | Echo Trap alarm | the paper |")
-        print("|" + " --- |" * (len(envs) + 7))
+              + " | group reward std | reward std halved at | entropy | entropy halved at | I(X;Z) (of log N)"
+              " | Echo Trap alarm | the paper |")
+        print("|" + " --- |" * (len(envs) + 8))
     for name, r in results.items():
         runs = r["runs"]
-        fired = [run["alarms"][0] for run in runs if run["alarms"]]
-        alarm = f"{len(fired)} of {len(runs)} seeds, at {fired}" if fired else f"none in {len(runs)} seeds"
+        alarm = count_at([run["alarms"][0] if run["alarms"] else None for run in runs])
         cells = []
         for env in envs:
             final = fmt_range([run["success"][env][1] for run in runs if env in run["success"]])
@@ -209,7 +215,9 @@ def print_table(results: dict[str, dict], envs: list[str], collapse: bool) -> No
                                           for run in runs])
             cells.append(final)
         if collapse:
-            cells += [trend(runs, "rollout/group_reward_std"), trend(runs, "rollout/token_entropy"),
+            cells += [trend(runs, "rollout/group_reward_std"),
+                      count_at([halved_from_start(run["curves"].get("rollout/group_reward_std", [])) for run in runs]),
+                      trend(runs, "rollout/token_entropy"),
                       count_at([halved_from_start(run["curves"].get("rollout/token_entropy", [])) for run in runs]),
                       f"{trend(runs, 'collapse/mi')} (of {trend(runs, 'collapse/mi_upper_bound')})"]
         print(f"| {name} | " + " | ".join(cells) + f" | {alarm} | {r['claim']} |")
@@ -228,10 +236,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 conditions, 2 iterations (a smoke test)")
     parser.add_argument("--from-runs", action="store_true",
                         help="train nothing: rebuild the table and figures from the runs already under --out")
+    parser.add_argument("--from-csv", type=Path, default=None, metavar="DIR",
+                        help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv, "
+                             "<name> the grid's record of each condition (collapse grid: tests/data/echo_trap/heldout)")
     args, fit_flags = parser.parse_known_args(argv)  # the rest goes to `ragen-pl fit`, after the grid's own flags
     grid = GRIDS[args.grid]
-    if args.from_runs and fit_flags:
-        parser.error(f"--from-runs trains nothing, so the fit flags {fit_flags} would not apply; drop them")
+    replay = "--from-runs" if args.from_runs else "--from-csv" if args.from_csv else None
+    if replay and fit_flags:
+        parser.error(f"{replay} trains nothing, so the fit flags {fit_flags} would not apply; drop them")
     stray = [f for f in fit_flags if not f.startswith("--")]
     if stray:
         parser.error(f"unrecognised arguments {stray}: the fit flags after the script's own are --key=value")
@@ -245,6 +257,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if unknown:
             parser.error(f"--conditions: {unknown} not in the {args.grid} grid; choose from {list(conditions)}")
         conditions = {k: v for k, v in conditions.items() if k in args.conditions}
+    if args.from_csv:
+        recorded = grid.recorded or {}
+        if not args.conditions:  # all that were recorded
+            conditions = {k: v for k, v in conditions.items() if k in recorded}
+        unrecorded = [c for c in conditions if c not in recorded]
+        if unrecorded:
+            parser.error(f"--from-csv: no recorded runs of {unrecorded} in the {args.grid} grid; "
+                         f"--conditions from {list(recorded)}")
+        missing = [str(p) for c in conditions for s in args.seeds
+                   if not (p := args.from_csv / f"{recorded[c]}_seed{s}.csv").is_file()]
+        if missing:
+            parser.error(f"--from-csv: no recorded metrics {missing}; --seeds names the recorded seeds")
     extra: list[str] = list(grid.flags)
     if args.quick:
         args.seeds, args.steps, args.val_episodes = args.seeds[:1], 2, 4
@@ -257,7 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         for seed in args.seeds:
             folder = args.out / f"{name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}_seed{seed}"
             t0 = time.perf_counter()
-            if args.from_runs:
+            if args.from_csv:
+                folder = metrics = args.from_csv / f"{grid.recorded[name]}_seed{seed}.csv"
+            elif args.from_runs:
                 metrics = max(folder.glob("*/version_*/metrics.csv"), key=lambda m: m.stat().st_mtime)
             else:
                 metrics = fit_seed(seed, args.steps, args.val_episodes, [*extra, *flags, *fit_flags], folder)
@@ -270,10 +296,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         results[name] = {"runs": runs, "claim": claim}
 
     envs = sorted({env for r in results.values() for run in r["runs"] for env in run["success"]})
-    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {args.steps} iterations, evaluation success after the "
-          f"last one (range over seeds), Echo Trap alarms:\n")
+    steps = sorted({len(c) for r in results.values() for run in r["runs"] for k, c in run["curves"].items()
+                    if k.endswith("/success")}) if replay else [args.steps]
+    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {'/'.join(map(str, steps))} iterations, "
+          "evaluation success after the "
+          f"last one (range over seeds), Echo Trap alarms; iterations counted from 1:\n")
     print_table(results, envs, collapse=grid.collapse_table)
 
+    if args.from_csv:
+        return results
     from ragen_pl.report import report
 
     for comparison, names in grid.comparisons.items():

@@ -59,6 +59,14 @@ def test_collapse_iteration(monkeypatch):
     assert collapse_iteration([]) is None
 
 
+def test_count_at(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from findings import count_at
+
+    assert count_at([21, None, 3]) == "2 of 3 (at 21, -, 3)"  # in the seeds' order, so columns line up
+    assert count_at([None, None]) == "0 of 2"
+
+
 def test_halved_from_start(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from findings import halved_from_start
@@ -95,3 +103,33 @@ def test_fit_flags_pass_through(tmp_path, monkeypatch):
     for bad in (["--from-runs", "--model.optim.actor_lr=2e-3"], ["stray"]):
         with pytest.raises(SystemExit):
             findings.main(["--out", str(tmp_path), *bad])
+
+
+def test_from_csv_tables_the_recorded_collapse_runs(capsys, monkeypatch):
+    """`--grid collapse --from-csv`: the table of the runs kept in the repository, reward std beside entropy; a
+    condition or seed with no record, or fit flags, refused in one line."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("findings", None)
+    import findings
+
+    data = ROOT / "tests" / "data" / "echo_trap" / "heldout"
+    results = findings.main(["--grid", "collapse", "--from-csv", str(data), "--seeds", "9", "10", "11"])
+    assert set(results) == set(findings.COLLAPSE_RECORDED)
+    # the seeds' Bandit success, read by hand from the CSVs: falls to 0 at 3 (9, 11) and 20 (10) without the filter
+    runs = results[findings.COLLAPSE_NONE]["runs"]
+    assert [findings.collapse_iteration(r["curves"]["rollout/Bandit/success"]) for r in runs] == [3, 20, 3]
+    assert all(len(r["curves"]["rollout/group_reward_std"]) == 40 for r in runs)
+    # the alarm replayed as benchmarks/echo_trap.py does (steps 4, 20, 3 counted from 0 there)
+    assert [r["alarms"] for r in runs] == [[5], [21], [4]]
+    out = capsys.readouterr().out
+    assert "3 seeds x 40 iterations" in out
+    assert "| group reward std | reward std halved at | entropy | entropy halved at |" in out
+    assert "| PPO, no filter | 0.00; 3 of 3 (at 3, 20, 3) |" in out
+    # a record trimmed to the alarm's columns (no time/*) still gives its curves
+    trimmed = data / "ppo_lr3e-3_nofilter_seed3.csv"
+    assert "time/iteration" not in trimmed.read_text().splitlines()[0].split(",")
+    assert len(findings.curves(trimmed)["rollout/Bandit/success"]) == 40
+    for bad in (["--conditions", "filter top_p 0.5"], ["--seeds", "0"], ["--model.optim.actor_lr=2e-3"]):
+        with pytest.raises(SystemExit):
+            findings.main(["--grid", "collapse", "--from-csv", str(data), *bad])
+    assert "--from-csv" in capsys.readouterr().err
