@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--from-csv", type=Path, nargs="+", default=None, metavar="DIR",
                         help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv in "
                              "the first DIR that has it, <name> the grid's record of each condition (collapse grid: "
-                             "tests/data/echo_trap/heldout tests/data/findings)")
+                             "tests/data/echo_trap/heldout)")
     args, fit_flags = parser.parse_known_args(argv)  # the rest goes to `ragen-pl fit`, after the grid's own flags
     grid = GRIDS[args.grid]
     replay = "--from-runs" if args.from_runs else "--from-csv" if args.from_csv else None
