@@ -42,7 +42,7 @@ def test_collapse_grid_quick(tmp_path, capsys, monkeypatch):
         assert any(k.startswith("collapse/") and k.endswith("/mi") for k in run["curves"])
     out = capsys.readouterr().out
     assert ("| condition | Bandit: final, collapse at | FrozenLakeNoSlip: final, collapse at | group reward std "
-            "| entropy | entropy halved at | I(X;Z) (of log N) |") in out
+            "| reward std halved at | entropy | entropy halved at | I(X;Z) (of log N) |") in out
     assert f"| {findings.COLLAPSE_NONE} |" in out
     assert (tmp_path / "report" / "filter" / "success.png").is_file()
 
