@@ -236,10 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 conditions, 2 iterations (a smoke test)")
     parser.add_argument("--from-runs", action="store_true",
                         help="train nothing: rebuild the table and figures from the runs already under --out")
-    parser.add_argument("--from-csv", type=Path, nargs="+", default=None, metavar="DIR",
-                        help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv in "
-                             "the first DIR that has it, <name> the grid's record of each condition (collapse grid: "
-                             "tests/data/echo_trap/heldout)")
+    parser.add_argument("--from-csv", type=Path, default=None, metavar="DIR",
+                        help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv, "
+                             "<name> the grid's record of each condition (collapse grid: tests/data/echo_trap/heldout)")
     args, fit_flags = parser.parse_known_args(argv)  # the rest goes to `ragen-pl fit`, after the grid's own flags
     grid = GRIDS[args.grid]
     replay = "--from-runs" if args.from_runs else "--from-csv" if args.from_csv else None
@@ -266,12 +265,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if unrecorded:
             parser.error(f"--from-csv: no recorded runs of {unrecorded} in the {args.grid} grid; "
                          f"--conditions from {list(recorded)}")
-        found = {(c, s): next((p for d in args.from_csv if (p := d / f"{recorded[c]}_seed{s}.csv").is_file()), None)
-                 for c in conditions for s in args.seeds}
-        missing = [f"{recorded[c]}_seed{s}.csv" for (c, s), p in found.items() if p is None]
+        missing = [str(p) for c in conditions for s in args.seeds
+                   if not (p := args.from_csv / f"{recorded[c]}_seed{s}.csv").is_file()]
         if missing:
-            parser.error(f"--from-csv: no recorded metrics {missing} in {[str(d) for d in args.from_csv]}; "
-                         "--seeds names the recorded seeds")
+            parser.error(f"--from-csv: no recorded metrics {missing}; --seeds names the recorded seeds")
     extra: list[str] = list(grid.flags)
     if args.quick:
         args.seeds, args.steps, args.val_episodes = args.seeds[:1], 2, 4
@@ -285,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             folder = args.out / f"{name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}_seed{seed}"
             t0 = time.perf_counter()
             if args.from_csv:
-                folder = metrics = found[name, seed]
+                folder = metrics = args.from_csv / f"{grid.recorded[name]}_seed{seed}.csv"
             elif args.from_runs:
                 metrics = max(folder.glob("*/version_*/metrics.csv"), key=lambda m: m.stat().st_mtime)
             else:
@@ -301,9 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     envs = sorted({env for r in results.values() for run in r["runs"] for env in run["success"]})
     steps = sorted({len(c) for r in results.values() for run in r["runs"] for k, c in run["curves"].items()
                     if k.endswith("/success")}) if replay else [args.steps]
-    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {'/'.join(map(str, steps))} iterations, "
-          "evaluation success after the "
-          f"last one (range over seeds), Echo Trap alarms; iterations counted from 1:\n")
+    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {'/'.join(map(str, steps))} iterations, evaluation "
+          "success after the last one (range over seeds), Echo Trap alarms; iterations counted from 1:\n")
     print_table(results, envs, collapse=grid.collapse_table)
 
     if args.from_csv:
