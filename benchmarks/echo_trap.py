@@ -6,7 +6,8 @@ Three sets of runs, replayed through ``ragen_pl.callbacks.EchoTrapAlarm`` step b
   20 iterations, warm starts of seeds 0-4);
 * held-out: runs it never saw (``tests/data/echo_trap/heldout/``: the quickstart over seeds 5-9 for 30
   iterations, GRPO and PPO, from ``benchmarks/learning_seeds.py --keep``; SmolLM2 Sokoban from
-  ``benchmarks/real_llm.py``), plus any ``metrics.csv`` given with ``--runs``;
+  ``benchmarks/real_llm.py``; the collapse grid's runs at seeds 9-11, ``tests/data/collapse_grid/``), plus any
+  ``metrics.csv`` given with ``--runs``;
 * simulated runs with no learning: success stationary at 0.05-0.8 (64 episodes a step in groups of 8, the
   quickstart's share of one env), answers drawn from a fixed distribution, entropy and gradient norm stationary
   noise, 100 steps; either one board for all (the quickstart's Bandit and corner FrozenLake) or a board per group
@@ -48,6 +49,8 @@ from ragen_pl.echo_trap import EchoTrapAlarm
 from ragen_pl.metrics import effective_episodes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "echo_trap"
+GRID = DATA.parent / "collapse_grid"
+"""The collapse grid's filter, KL and clipping runs (``benchmarks/findings.py --grid collapse``, seeds 9-11): held out."""
 LEVELS = (0.05, 0.15, 0.3, 0.5, 0.8)
 LASTING = 10
 """Steps a collapse must stay down, to the run's end, to count as lasting (``halving(..., to_end=True)``)."""
@@ -232,11 +235,11 @@ def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays
         return
     print(f"\n{title}, PPO (GAE) runs: the early warning (updates without reward variance for "
           f"{EchoTrapAlarm().no_signal_steps} steps) against the first halving of any env")
-    print(f"  {'run':<34}{'warned at':>10}{'halved at':>10}{'to the end':>11}  verdict")
+    print(f"  {'run':<40}{'warned at':>10}{'halved at':>10}{'to the end':>11}  verdict")
     tallies: dict[str, dict[str, list]] = {}
     for name, run in runs.items():
         if not any("rollout/group_reward_std" in m or "filter/reward_std_after" in m for m in run):
-            print(f"  {name[:33]:<34}{'':>31}  not judged: no reward std logged")
+            print(f"  {name[:39]:<40}{'':>31}  not judged: no reward std logged")
             continue
         warned = replays[name].no_signal[0] if replays[name].no_signal else None
         halved, lasting = (min((h for h in hs if h is not None), default=None) for hs in zip(*[
@@ -247,7 +250,7 @@ def no_signal_table(title: str, runs: dict[str, list[dict[str, float]]], replays
         if warning_off:
             verdict += " (not whitened: the live warning is off)"
         dash = lambda step: "-" if step is None else step  # noqa: E731
-        print(f"  {name[:33]:<34}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
+        print(f"  {name[:39]:<40}{dash(warned):>10}{dash(halved):>10}{dash(lasting):>11}  {verdict}")
         if warning_off:
             continue
         tally = tallies.setdefault("tuning" if name in EARLY_TUNING else "held out", {
@@ -332,7 +335,7 @@ def main() -> None:
                      f"runs/<name>/version_0/metrics.csv)")
 
     tuning_runs = {p.stem: load(p) for p in sorted(DATA.glob("*_seed*.csv"))}
-    held = sorted((DATA / "heldout").glob("*.csv")) + list(args.runs)
+    held = sorted((DATA / "heldout").glob("*.csv")) + sorted(GRID.glob("*.csv")) + list(args.runs)
     held_runs = {p.stem if p.name != "metrics.csv" else str(p.parent): load(p) for p in held}
     for title, runs in (("Tuning runs (the defaults were chosen on these)", tuning_runs), ("Held-out runs", held_runs)):
         replays = [replay(run, EchoTrapAlarm()) for run in runs.values()]

@@ -16,7 +16,8 @@ table rebuilt with ``--from-runs`` uses the alarm's current rule), beside what t
     python benchmarks/findings.py [--seeds 0 1 2] [--steps 20] [--out runs/findings]
     python benchmarks/findings.py --quick     # a smoke test: 1 seed, 2 conditions, 2 iterations
     python benchmarks/findings.py --from-runs # the table and figures again, from the runs under --out
-    python benchmarks/findings.py --grid collapse --from-csv tests/data/echo_trap/heldout --seeds 9 10 11
+    python benchmarks/findings.py --grid collapse --from-csv tests/data/echo_trap/heldout tests/data/collapse_grid \
+        --seeds 9 10 11
         # the table of the collapse grid's runs kept in the repository
     python benchmarks/findings.py --grid collapse [--conditions NAME ...] [ragen-pl fit flags, e.g.
         --model.optim.actor_lr=2e-3]      # the setting where PPO collapses; fit flags come last and override
@@ -88,10 +89,16 @@ COLLAPSE_CONDITIONS: dict[str, tuple[list[str], str]] = {
     "no filter, not whitened": (["--data.filter.init_args.top_p=1.0", "--model.advantage.init_args.whiten=false"],
                                 "(not in the paper)"),
 }
-COLLAPSE_RECORDED = {COLLAPSE_NONE: "ppo_lr3e-3_nofilter", "drop zero-variance groups": "ppo_lr3e-3_dropzero",
+COLLAPSE_RECORDED = {COLLAPSE_NONE: "ppo_lr3e-3_nofilter", "filter top_p 0.75": "ppo_lr3e-3_top0.75",
+                     "filter top_p 0.5": "ppo_lr3e-3_top0.5", "filter top_p 0.25": "ppo_lr3e-3_top0.25",
+                     "no filter, KL 0.001": "ppo_lr3e-3_nofilter_kl1e-3",
+                     "no filter, symmetric clip 0.2": "ppo_lr3e-3_nofilter_clip0.2",
+                     "drop zero-variance groups": "ppo_lr3e-3_dropzero",
                      "no filter, not whitened": "ppo_lr3e-3_notwhitened"}
-"""The collapse grid's runs kept in ``tests/data/echo_trap/heldout`` (seeds 3-11 without the filter, 9-11 the other
-two): ``--from-csv tests/data/echo_trap/heldout`` prints their table."""
+"""The collapse grid's runs kept in the repository, 40 iterations each: ``tests/data/echo_trap/heldout`` (seeds 3-11
+without the filter, 9-11 dropping zero-variance groups and not whitened) and ``tests/data/collapse_grid`` (seeds
+9-11 of the filter ratios, KL and symmetric clipping). ``--from-csv tests/data/echo_trap/heldout
+tests/data/collapse_grid`` prints their table."""
 COLLAPSE_COMPARISONS = {
     "filter": [COLLAPSE_NONE, "filter top_p 0.75", "filter top_p 0.5", "filter top_p 0.25"],
     "kl": [COLLAPSE_NONE, "no filter, KL 0.001"],
@@ -236,9 +243,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--quick", action="store_true", help="1 seed, 2 conditions, 2 iterations (a smoke test)")
     parser.add_argument("--from-runs", action="store_true",
                         help="train nothing: rebuild the table and figures from the runs already under --out")
-    parser.add_argument("--from-csv", type=Path, default=None, metavar="DIR",
-                        help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv, "
-                             "<name> the grid's record of each condition (collapse grid: tests/data/echo_trap/heldout)")
+    parser.add_argument("--from-csv", type=Path, nargs="+", default=None, metavar="DIR",
+                        help="train nothing: the table (no figures) from recorded metrics, DIR/<name>_seed<k>.csv in "
+                             "the first DIR that has it, <name> the grid's record of each condition (collapse grid: "
+                             "tests/data/echo_trap/heldout tests/data/collapse_grid); without --conditions, each "
+                             "condition recorded for every seed")
     args, fit_flags = parser.parse_known_args(argv)  # the rest goes to `ragen-pl fit`, after the grid's own flags
     grid = GRIDS[args.grid]
     replay = "--from-runs" if args.from_runs else "--from-csv" if args.from_csv else None
@@ -259,16 +268,23 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         conditions = {k: v for k, v in conditions.items() if k in args.conditions}
     if args.from_csv:
         recorded = grid.recorded or {}
-        if not args.conditions:  # all that were recorded
-            conditions = {k: v for k, v in conditions.items() if k in recorded}
-        unrecorded = [c for c in conditions if c not in recorded]
+        unrecorded = [c for c in conditions if c not in recorded] if args.conditions else []
         if unrecorded:
             parser.error(f"--from-csv: no recorded runs of {unrecorded} in the {args.grid} grid; "
                          f"--conditions from {list(recorded)}")
-        missing = [str(p) for c in conditions for s in args.seeds
-                   if not (p := args.from_csv / f"{recorded[c]}_seed{s}.csv").is_file()]
+        found = {(c, s): next((p for d in args.from_csv if (p := d / f"{recorded[c]}_seed{s}.csv").is_file()), None)
+                 for c in conditions if c in recorded for s in args.seeds}
+        if not args.conditions:  # every recorded condition whose seeds are all in the folders
+            conditions = {c: v for c, v in conditions.items()
+                          if c in recorded and all(found[c, s] for s in args.seeds)}
+            found = {(c, s): p for (c, s), p in found.items() if c in conditions}
+            if not conditions:
+                parser.error(f"--from-csv: no condition has records of seeds {args.seeds} in "
+                             f"{[str(d) for d in args.from_csv]}; --seeds names the recorded seeds")
+        missing = [f"{recorded[c]}_seed{s}.csv" for (c, s), p in found.items() if p is None]
         if missing:
-            parser.error(f"--from-csv: no recorded metrics {missing}; --seeds names the recorded seeds")
+            parser.error(f"--from-csv: no recorded metrics {missing} in {[str(d) for d in args.from_csv]}; "
+                         "--seeds names the recorded seeds")
     extra: list[str] = list(grid.flags)
     if args.quick:
         args.seeds, args.steps, args.val_episodes = args.seeds[:1], 2, 4
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             folder = args.out / f"{name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}_seed{seed}"
             t0 = time.perf_counter()
             if args.from_csv:
-                folder = metrics = args.from_csv / f"{grid.recorded[name]}_seed{seed}.csv"
+                folder = metrics = found[name, seed]
             elif args.from_runs:
                 metrics = max(folder.glob("*/version_*/metrics.csv"), key=lambda m: m.stat().st_mtime)
             else:
@@ -298,8 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     envs = sorted({env for r in results.values() for run in r["runs"] for env in run["success"]})
     steps = sorted({len(c) for r in results.values() for run in r["runs"] for k, c in run["curves"].items()
                     if k.endswith("/success")}) if replay else [args.steps]
-    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {'/'.join(map(str, steps))} iterations, evaluation "
-          "success after the last one (range over seeds), Echo Trap alarms; iterations counted from 1:\n")
+    print(f"\nfindings ({args.grid}): {len(args.seeds)} seeds x {'/'.join(map(str, steps))} iterations, "
+          "evaluation success after the "
+          f"last one (range over seeds), Echo Trap alarms; iterations counted from 1:\n")
     print_table(results, envs, collapse=grid.collapse_table)
 
     if args.from_csv:

@@ -113,8 +113,19 @@ def test_from_csv_tables_the_recorded_collapse_runs(capsys, monkeypatch):
     import findings
 
     data = ROOT / "tests" / "data" / "echo_trap" / "heldout"
+    grid = ROOT / "tests" / "data" / "collapse_grid"
+    results = findings.main(["--grid", "collapse", "--from-csv", str(data), str(grid), "--seeds", "9", "10", "11"])
+    assert set(results) == set(findings.COLLAPSE_RECORDED)  # every condition, from the two folders
+    # the other conditions' Bandit falls, read by hand from tests/data/collapse_grid (None: no lasting collapse)
+    falls = {name: [findings.collapse_iteration(r["curves"]["rollout/Bandit/success"]) for r in results[name]["runs"]]
+             for name in results}
+    assert falls["filter top_p 0.75"] == [2, None, 4] and falls["filter top_p 0.5"] == [3, None, None]
+    assert falls["filter top_p 0.25"] == [4, None, None] and falls["no filter, KL 0.001"] == [3, None, 9]
+    assert falls["no filter, symmetric clip 0.2"] == [None, None, None]
+    capsys.readouterr()
+    # without --conditions, the conditions recorded for every seed in the folders given: the heldout folder has three
     results = findings.main(["--grid", "collapse", "--from-csv", str(data), "--seeds", "9", "10", "11"])
-    assert set(results) == set(findings.COLLAPSE_RECORDED)
+    assert set(results) == {findings.COLLAPSE_NONE, "drop zero-variance groups", "no filter, not whitened"}
     # the seeds' Bandit success, read by hand from the CSVs: falls to 0 at 3 (9, 11) and 20 (10) without the filter
     runs = results[findings.COLLAPSE_NONE]["runs"]
     assert [findings.collapse_iteration(r["curves"]["rollout/Bandit/success"]) for r in runs] == [3, 20, 3]
@@ -129,7 +140,8 @@ def test_from_csv_tables_the_recorded_collapse_runs(capsys, monkeypatch):
     trimmed = data / "ppo_lr3e-3_nofilter_seed3.csv"
     assert "time/iteration" not in trimmed.read_text().splitlines()[0].split(",")
     assert len(findings.curves(trimmed)["rollout/Bandit/success"]) == 40
-    for bad in (["--conditions", "filter top_p 0.5"], ["--seeds", "0"], ["--model.optim.actor_lr=2e-3"]):
+    for bad in (["--conditions", "filter top_p 0.5"], ["--seeds", "0"], ["--model.optim.actor_lr=2e-3"],
+                ["--conditions", "no filter, KL 0.001", "--seeds", "3"]):
         with pytest.raises(SystemExit):
             findings.main(["--grid", "collapse", "--from-csv", str(data), *bad])
     assert "--from-csv" in capsys.readouterr().err
