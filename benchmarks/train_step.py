@@ -6,7 +6,7 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    values, forward only) plus the update (forward, backward, optimiser). Target: everything else (env steps,
    tokenisation, filtering, advantage math, logging, Lightning) stays under 15% of the iteration.
 2. ``--compare``: one rollout of 32 (``--trajectories``) SmolLM2 FrozenLake trajectories
-   (``configs/smollm2-frozenlake.yaml``'s warm start and settings), then one update over it two ways, side by side,
+   (SmolLM2's FrozenLake warm start, in the layout it was taught), then one update over it two ways, side by side,
    in fp32 and in bf16 autocast (``--precisions``): ragen-pl's
    ``StarPOUpdate`` (LM head on scored positions only, length-grouped micro-batches; the shared prompt prefix once,
    the default, or the rows packed without padding, ``--model.ppo.pack``) and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
@@ -14,16 +14,11 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    memory of log-probs and entropy (forward and backward) over 4,096 scored tokens of SmolLM2's 49,152-token
    vocabulary, computed the plain way (float32 copies kept for backward) and by ``ragen_pl.scoring.token_stats``
    (a float32 chunk at a time), each in its own process.
-3. ``--head-only``: the issue-20 Sokoban recipe, where only a LoRA readout on the LM head trains
-   (``configs/smollm2-sokoban.yaml`` with ``--model.lora.target_modules=[lm_head]``, the whitened centred head on the
-   four action tokens): one rollout of ``--trajectories`` trajectories, then scoring and update (the config's
-   mini-batches of 256 rows, micro-batches of 16) in bf16 autocast two ways side by side: each micro-batch through
-   the whole model, and through the head alone on what it read when the rollout was scored (the update's default
-   for a frozen trunk, ``StarPOUpdate.reuses_head_inputs``); and how far apart the two trained policies' log-probs
-   of the sampled tokens are, beside how far the update moved them.
 
-    python benchmarks/train_step.py [--iterations 6] [--threads 2] [--compare] [--compare-only] [--head-only]
+    python benchmarks/train_step.py [--iterations 6] [--threads 2] [--compare] [--compare-only]
                                     [--trajectories 32] [--precisions fp32 bf16] [--repeats 2]
+
+(The experiments' head-only update is timed by ``python -m ragen_pl_experiments.research.head_only_step``.)
 """
 
 from __future__ import annotations
@@ -31,11 +26,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -46,8 +38,6 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--compare", action="store_true", help="also time the update against a plain loop")
     parser.add_argument("--compare-only", action="store_true")
-    parser.add_argument("--head-only", action="store_true", help="only time a head-only update reusing the trunk's "
-                        "output against one running the whole model (SmolLM2 Sokoban)")
     parser.add_argument("--trajectories", type=int, default=32, help="--compare: SmolLM2 FrozenLake trajectories")
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                         help="--compare: float32, and bf16 autocast (several times slower on a CPU without bf16)")
@@ -58,9 +48,6 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1 (got {args.repeats})")
     torch.set_num_threads(args.threads)
-    if args.head_only:
-        compare_head_only(args.trajectories, args.repeats)
-        return
     if not args.compare_only:
         phases(args)
     if args.compare or args.compare_only:
@@ -125,33 +112,27 @@ def phases(args) -> None:
 
 
 
-def smollm2_rollout(n: int = 32, env: str = "frozenlake", lora=None):
-    """``n`` SmolLM2 trajectories (groups of 4) of ``env`` sampled with its config's warm start and settings; the
-    model with ``lora`` adapters (``LoraSettings``) if given."""
-    import importlib
-
-    import yaml
+def smollm2_rollout(n: int = 32):
+    """``n`` SmolLM2 FrozenLake trajectories (groups of 4), one action per turn, window of one turn: the layout of
+    SmolLM2's FrozenLake warm start, sampled by it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragen_pl.config import RolloutConfig
-    from ragen_pl.lora import add_lora
-    from ragen_pl.models.smollm2 import build_smollm2_warm
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.models.smollm2 import SMOLLM2_WARM, build_smollm2_warm
     from ragen_pl.rollout.collector import Collector, EpisodeSpec
     from ragen_pl.rollout.hf import HFEngine
 
-    cfg = yaml.safe_load((ROOT / "configs" / f"smollm2-{env}.yaml").read_text())
-    path = build_smollm2_warm(env, progress=False)
+    recipe = SMOLLM2_WARM["frozenlake"]
+    path = build_smollm2_warm("frozenlake", progress=False)
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    if lora is not None:
-        model = add_lora(model, lora, tok)
     engine = HFEngine(seed=0)
     engine.bind(model, tok)
     groups = max(1, n // 4)
-    module, name = cfg["data"]["env"]["class_path"].rsplit(".", 1)
-    env_obj = getattr(importlib.import_module(module), name)(**(cfg["data"]["env"].get("init_args") or {}))
-    specs = [EpisodeSpec(env_obj, seed=g, group_id=g) for g in range(groups) for _ in range(n // groups)]
-    batch = Collector(engine, tok, RolloutConfig(**cfg["data"]["rollout"])).collect(specs).batch
-    return model, batch, cfg
+    env = FrozenLake(**recipe.env_args)
+    specs = [EpisodeSpec(env, seed=g, group_id=g) for g in range(groups) for _ in range(n // groups)]
+    batch = Collector(engine, tok, RolloutConfig(**recipe.rollout)).collect(specs).batch
+    return model, batch
 
 
 def plain_update(model, batch, opt, micro: int) -> None:
@@ -180,7 +161,7 @@ def compare_update(trajectories: int = 32, precisions=("fp32", "bf16"), repeats:
     from ragen_pl.policy import Models
     from ragen_pl.update import StarPOUpdate
 
-    model, batch, _ = smollm2_rollout(trajectories)
+    model, batch = smollm2_rollout(trajectories)
     model.train()
     updates = {name: StarPOUpdate(GRPO(), PPOConfig(mini_batch_size=len(batch), micro_batch_size=8, entropy_coeff=0.0,
                                                     share_prefix=name == "shared", pack=name == "packed"))
@@ -210,62 +191,6 @@ def compare_update(trajectories: int = 32, precisions=("fp32", "bf16"), repeats:
             rates[name] = tokens / best
         print(f"{'bf16 autocast' if precision == 'bf16' else precision:<15}{rates['plain']:>18.0f}{rates['shared']:>14.0f}{rates['packed']:>14.0f}"
               f"{rates['shared'] / rates['plain']:>13.2f}x{rates['packed'] / rates['plain']:>13.2f}x", flush=True)
-
-
-def compare_head_only(trajectories: int = 32, repeats: int = 2) -> None:
-    import copy
-
-    from ragen_pl.advantages import GRPO
-    from ragen_pl.config import LoraSettings, PPOConfig
-    from ragen_pl.policy import Models
-    from ragen_pl.scoring import score
-    from ragen_pl.update import StarPOUpdate
-
-    lora = LoraSettings(target_modules=["lm_head"], last_layers=None, center_head=4, whiten_head=True,
-                        head_tokens=["Up", "Down", "Left", "Right"])
-    model, batch, cfg = smollm2_rollout(trajectories, "sokoban", lora)
-    model.train()
-    ppo = {k: v for k, v in cfg["model"]["ppo"].items()}
-    scored = int(batch.loss_mask.sum())
-    print(f"\nhead-only update (LoRA readout on the LM head), {trajectories} SmolLM2 Sokoban trajectories in "
-          f"{len(batch)} rows ({float(batch.attention_mask.sum()):.0f} tokens, {scored} sampled), mini-batches of "
-          f"{ppo['mini_batch_size']}, micro-batches of {ppo['micro_batch_size']}, bf16 autocast, best of {repeats}:")
-    print(f"{'update':<34}{'scoring s':>10}{'update s':>10}{'total s':>9}")
-    trained, totals = {}, {}
-    for name in ("whole model each micro-batch", "head alone (reused trunk output)"):
-        best = (float("inf"), float("inf"))
-        for _ in range(repeats):
-            m = copy.deepcopy(model)
-            update = StarPOUpdate(GRPO(), PPOConfig(**ppo))
-            if name.startswith("whole"):
-                update.reuses_head_inputs = lambda models: False
-            b = copy.deepcopy(batch)
-            opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                t0 = time.perf_counter()
-                update.prepare(b, Models(m, lora=True))
-                t1 = time.perf_counter()
-                update.step(b, Models(m, lora=True), [opt])
-                t2 = time.perf_counter()
-            if t2 - t0 < sum(best):
-                best = (t1 - t0, t2 - t1)
-        trained[name], totals[name] = m, sum(best)
-        print(f"{name:<34}{best[0]:>10.1f}{best[1]:>10.1f}{sum(best):>9.1f}", flush=True)
-    whole, head = totals.values()
-    # The trained policies compared as functions (the centred head's directions, fixed in bf16 from slightly
-    # different numbers, may turn within a near-degenerate spectrum, so raw weights are not comparable): the
-    # log-probs of the rollout's sampled tokens, in float32, the head run on the trunk's output (the same for all).
-    features = update._head_inputs[1].float()
-    mask = batch.loss_mask
-    slots = torch.arange(features.shape[1]) < mask[:, 1:].sum(-1, keepdim=True)
-    with torch.no_grad():
-        lp = {k: score(m, batch.input_ids, batch.attention_mask, mask, batch.temperature,
-                       head_inputs=features[slots]).logprobs[mask] for k, m in {"before": model, **trained}.items()}
-    a, b = (lp[k] for k in trained)
-    print(f"scoring + update: {whole / head:.2f}x faster with the head alone. The sampled tokens' log-probs after the "
-          f"update: mean |difference| between the two {float((a - b).abs().mean()):.4f} nats (max "
-          f"{float((a - b).abs().max()):.3f}), against a mean change of {float((b - lp['before']).abs().mean()):.4f} "
-          f"from before the update")
 
 
 MEMORY = """

@@ -176,7 +176,7 @@ def _plain(value: Any) -> Any:
 
 
 #: Model settings that are components: saved as a class path (and ``<name>_args``), given as {class_path, init_args}.
-COMPONENTS = ("advantage", "policy_loss")
+COMPONENTS = ("advantage", "policy_loss", "updater")
 
 
 def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str = "model") -> list[str]:
@@ -187,8 +187,9 @@ def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str 
         if key not in given or key.startswith("_") or key in args_keys:
             continue
         new, flag = given[key], f"{prefix}.{key}"
-        if key in COMPONENTS:  # saved as the class path; the config has {class_path, init_args}
+        if key in COMPONENTS:  # saved as the class path; the config has {class_path, init_args} (or the class)
             new = new.get("class_path") if isinstance(new, dict) else new
+            new = f"{new.__module__}.{new.__qualname__}" if isinstance(new, type) else new
         if isinstance(old, dict) and isinstance(new, dict):
             out += model_differences(old, new, flag)
         elif _plain(old) != _plain(new):

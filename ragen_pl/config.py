@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from ragen_pl.errors import ConfigError
-from ragen_pl.rollout.prompt import SYSTEM_PROMPT
 from ragen_pl.types import KLEstimator, LossAgg
 
-__all__ = ["LoraSettings", "OptimConfig", "PPOConfig", "RolloutConfig", "check_choice", "check_int",
-           "check_sampling", "from_saved"]
+SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
+"""The system message of every trajectory unless ``--data.rollout.system_prompt`` says otherwise (RAGEN's)."""
+
+__all__ = ["SYSTEM_PROMPT", "LoraSettings", "OptimConfig", "PPOConfig", "RolloutConfig", "check_choice", "check_int",
+           "check_sampling", "from_saved", "lora_from_saved"]
 
 
 def check_choice(flag: str, value: Any, choices: Any) -> None:
@@ -34,10 +36,12 @@ def check_bool(flag: str, value: Any) -> None:
         raise ValueError(f"`{flag}` must be true or false, got {value!r}")
 
 
-def check_int(flag: str, value: Any, low: int = 1) -> None:
-    """Refuse anything but an integer >= ``low`` (``True`` is not an integer here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{flag}` must be an integer >= {low}, got {value!r}")
+def check_int(flag: str, value: Any, low: int = 1, high: int | None = None) -> None:
+    """Refuse anything but an integer in ``[low, high]`` (``True`` is not an integer here). The one integer check of
+    the library: settings, envs (``ragen_pl.envs.base`` re-exports it for env plugins) and plugins."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"`{flag}` must be an integer {bound}, got {value!r}")
 
 
 def _check_number(flag: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
@@ -213,57 +217,15 @@ class LoraSettings:
     dropout: float = 0.0
     """Dropout on the LoRA path."""
     target_modules: str | list[str] = "all-linear"
-    """Modules that get adapters."""
+    """Modules that get adapters: ``all-linear``, or a list of module names (``[lm_head]`` adapts the output head
+    alone, untied from the input embeddings first)."""
     last_layers: int | None = None
     """Adapters only in the last N decoder layers (peft's ``layers_to_transform``). The layers below stay frozen and
     run without autograd, so backward stops at the first adapted layer: with 10 of SmolLM2's 30 layers the update
     computes a third of the backward. None: every layer."""
-    center_head: int = 0
-    """With ``lm_head`` among the targets: its adapter reads the last hidden state less its components along this
-    many leading directions of the scored positions' hidden states (fixed at the first update), so it learns what
-    depends on the input rather than the answer every input gets (``ragen_pl.lora``: why; README: SmolLM2 runs).
-    0: off; about the number of kinds of answer token (4 for FrozenLake's ``Up</answer>``)."""
-    center_turns: int = 0
-    """With ``center_head``: the head's adapter also leaves out up to this many directions along which the scored
-    positions' mean hidden state differs from turn to turn (fixed with the others), so it cannot learn an answer per
-    turn that ignores the input: a multi-turn prompt's own text (``Turn 3``, the actions left) moves the state as much
-    as the board does (``ragen_pl.lora``: why). 0: off; about the number of turns less one. With a window of one turn,
-    ``--data.rollout.turn_header=false`` removes that text from the prompt instead."""
-    whiten_head: bool = False
-    """With ``center_head``: the head's adapter also reads each dimension of that centred state divided by its root
-    mean square over the same positions (fixed with the directions), so what differs between inputs is read at unit
-    scale instead of a few hundredths of the state's size (``ragen_pl.lora``: why)."""
-    head_tokens: list[str] | None = None
-    """With ``lm_head`` among the targets: its adapter becomes a readout that moves only these tokens' logits (each
-    must be one token, e.g. ``[Left, Down, Right, Up]``): rank the number of tokens, ``lora_B`` fixed to those
-    tokens' rows and ``lora_A`` (their readout weights) trained from zero; ``r`` and ``alpha`` then apply to the
-    other targets only. None: a plain adapter on every token."""
 
     def __post_init__(self) -> None:
         check_int("--model.lora.r", self.r)
-        check_int("--model.lora.center_head", self.center_head, low=0)
-        check_int("--model.lora.center_turns", self.center_turns, low=0)
-        adapts_head = not isinstance(self.target_modules, str) and "lm_head" in self.target_modules
-        if self.center_head and not adapts_head:
-            raise ValueError(f"`--model.lora.center_head` centres the output head's adapter: it needs lm_head in "
-                             f"`--model.lora.target_modules`, got {self.target_modules!r}")
-        if self.center_turns and not self.center_head:
-            raise ValueError("`--model.lora.center_turns` adds directions to the centred head's: it needs "
-                             "`--model.lora.center_head` >= 1, got 0")
-        check_bool("--model.lora.whiten_head", self.whiten_head)
-        if self.whiten_head and not self.center_head:
-            raise ValueError("`--model.lora.whiten_head` scales the centred head's input: it needs "
-                             "`--model.lora.center_head` >= 1, got 0")
-        if self.head_tokens is not None:
-            tokens = self.head_tokens
-            if isinstance(tokens, str) or not tokens or not all(isinstance(t, str) and t for t in tokens) \
-                    or len(set(tokens)) != len(tokens):
-                raise ValueError(f"`--model.lora.head_tokens` must be a list of distinct non-empty strings, got "
-                                 f"{tokens!r}")
-            if not adapts_head:
-                raise ValueError(f"`--model.lora.head_tokens` restricts the output head's adapter: it needs lm_head "
-                                 f"in `--model.lora.target_modules`, got {self.target_modules!r}")
-            self.head_tokens = list(tokens)
         if self.last_layers is not None:
             check_int("--model.lora.last_layers", self.last_layers)
         _check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)
@@ -341,3 +303,21 @@ def from_saved(cls, value: Any, legacy: tuple[str, ...] = ()):
     if isinstance(value, dict):
         return cls(**{k: v for k, v in value.items() if k not in legacy})
     return value
+
+
+#: Fields of LoraSettings that older checkpoints saved, with their off values: the readout head moved to the
+#: experiments package (``ragen_pl_experiments.readout.ReadoutHead``, a model hook).
+_LEGACY_LORA = {"center_head": 0, "center_turns": 0, "whiten_head": False, "head_tokens": None}
+
+
+def lora_from_saved(lora: LoraSettings | dict | None) -> LoraSettings | None:
+    """``--model.lora`` or a checkpoint's saved dict of it. A checkpoint of the readout head (before it moved to
+    the experiments package) is refused in one line, not loaded without its head's transform."""
+    if lora is None:
+        return None
+    if isinstance(lora, dict):
+        moved = {k: v for k, v in lora.items() if k in _LEGACY_LORA and v != _LEGACY_LORA[k]}
+        if moved:
+            raise ConfigError(f"this checkpoint's `--model.lora` has {moved}: the readout head moved to the experiments "
+                              f"package; rebuild it with `--model.hooks=ragen_pl_experiments.readout.ReadoutHead`")
+    return from_saved(LoraSettings, lora, legacy=tuple(_LEGACY_LORA))

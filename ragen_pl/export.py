@@ -52,7 +52,9 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the checkpoint's policy (LoRA merged) and tokenizer to ``out``; return ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ragen_pl.hooks import hooks_from_hparams
     from ragen_pl.models import resolve_model
+    from ragen_pl.policy import merging
 
     ckpt, out = Path(ckpt), Path(out)
     state = _read(ckpt)
@@ -64,10 +66,13 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     policy = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     lora = hparams.get("lora")
     if lora:
-        from ragen_pl.config import LoraSettings, from_saved
-        from ragen_pl.lora import add_lora, head_folded
+        from ragen_pl.config import lora_from_saved
+        from ragen_pl.lora import add_lora
 
-        policy = add_lora(policy, from_saved(LoraSettings, lora), AutoTokenizer.from_pretrained(base))
+        policy = add_lora(policy, lora_from_saved(lora))
+    hooks = hooks_from_hparams(hparams)
+    for hook in hooks:
+        policy = hook.after_load(policy, AutoTokenizer.from_pretrained(base))
     missing, unexpected = policy.load_state_dict(_policy_weights(state), strict=False)
     # Tied output embeddings may be absent from the saved keys; anything else missing is a wrong checkpoint.
     missing = [k for k in missing if not k.endswith("lm_head.weight")]
@@ -75,7 +80,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint {ckpt} does not match {hparams['model']}: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     if lora:
-        with head_folded(policy):
+        with merging(policy, hooks):
             policy = policy.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)

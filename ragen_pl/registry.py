@@ -44,6 +44,9 @@ GROUPS: dict[str, str] = {
     "ragen_pl.filters": "ragen_pl.filters:Filter",
     "ragen_pl.rollout_engines": "ragen_pl.rollout.engine:RolloutEngine",
     "ragen_pl.policy_losses": "ragen_pl.losses:PolicyLoss",
+    "ragen_pl.model_hooks": "ragen_pl.hooks:ModelHook",
+    "ragen_pl.updates": "ragen_pl.update:StarPOUpdate",
+    "ragen_pl.models": "ragen_pl.models:NamedModel",
 }
 
 

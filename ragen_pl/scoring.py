@@ -19,17 +19,14 @@ restart at every row; transformers then keeps the rows apart (a block-diagonal c
 under flash attention), so no position is spent on padding. :func:`check_packing` refuses, once per model, a model
 that lets packed rows see each other.
 
-A frozen trunk (only the LM head trains: ``--model.lora.target_modules=[lm_head]``, a readout): the trunk's output does
-not change while the head learns, so ``score(..., keep_head_inputs=True)`` also returns what the head read at the
-scored positions, and a later ``score(..., head_inputs=...)`` runs only the head on them (:func:`trunk_is_frozen`;
-:class:`ragen_pl.update.StarPOUpdate` scores once and its update steps reuse them).
+Where the head runs: :func:`scored_positions` says which positions of a micro-batch reach the LM head and which of
+those score a token; :func:`scores_from_logits` turns the head's logits into :class:`Scores`. An update that runs the
+head another way (on inputs it kept, say) uses the two and stays consistent with :func:`score`.
 """
 
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,35 +35,13 @@ from torch import Tensor, nn
 
 from ragen_pl.errors import ConfigError
 
-__all__ = ["SCORED_ROWS", "SCORED_TURNS", "Scores", "by_row", "can_share", "check_packing", "entropy_from_logits",
-           "forward_packed", "forward_shared", "logprobs_from_logits", "pack_rows", "prefix_to_share",
-           "restrict_to_kept", "score", "scored_logits", "scored_slots", "shared_prefix_length", "shift_values",
-           "token_stats", "trunk_is_frozen", "unpack_rows"]
+__all__ = ["Scores", "can_share", "check_packing", "entropy_from_logits", "forward_packed", "forward_shared",
+           "logprobs_from_logits", "pack_rows", "prefix_to_share", "restrict_to_kept", "score", "scored_logits",
+           "scored_positions", "scores_from_logits", "shared_prefix_length", "shift_values", "token_stats",
+           "unpack_rows"]
 
 #: A shared prefix shorter than this is not worth a second forward call.
 MIN_SHARED_PREFIX = 16
-
-SCORED_ROWS: ContextVar[Tensor | None] = ContextVar("ragen_pl_scored_rows", default=None)
-"""While :func:`scored_logits` runs a model: the (B, C) mask of the LM head's (B, C, H) input rows that score a token
-(None elsewhere, and in a shared prefix's forward, where nothing is scored). The head also reads positions no token
-of its own row is scored at (a column another row scores, padding); a hook on the head that must see only scored
-positions (the centred head, :mod:`ragen_pl.lora`) selects them with it."""
-
-SCORED_TURNS: ContextVar[Tensor | None] = ContextVar("ragen_pl_scored_turns", default=None)
-"""While :func:`score` runs a model with ``turns``: the (N,) turn of each position :data:`SCORED_ROWS` selects, in the
-order it selects them (row-major), for a head hook that groups the scored positions by turn (the turn-centred head,
-``--model.lora.center_turns``). None without ``turns``."""
-
-
-@contextmanager
-def _scoring(rows: Tensor | None, turns: Tensor | None = None):
-    token, turns_token = SCORED_ROWS.set(rows), SCORED_TURNS.set(turns)
-    try:
-        yield
-    finally:
-        SCORED_TURNS.reset(turns_token)
-        SCORED_ROWS.reset(token)
-
 
 def shared_prefix_length(ids: Tensor, mask: Tensor) -> int:
     """How many leading tokens every row of ``ids`` (B, T) shares and no position of ``mask`` needs logits or hidden
@@ -99,8 +74,7 @@ def forward_shared(model: nn.Module, ids: Tensor, attn: Tensor, prefix: int, **k
     B = ids.shape[0]
     cache = DynamicCache()
     head = {"logits_to_keep": 1} if "logits_to_keep" in kwargs else {}  # a causal LM: no logits needed here
-    with _scoring(None):  # nothing in the prefix is scored
-        model(input_ids=ids[:1, :prefix], past_key_values=cache, use_cache=True, **head)
+    model(input_ids=ids[:1, :prefix], past_key_values=cache, use_cache=True, **head)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
     positions = torch.arange(prefix, ids.shape[1], device=ids.device).expand(B, -1)
@@ -145,14 +119,12 @@ def check_packing(model: nn.Module) -> None:
     second = (torch.arange(8, device=device) * 7 + 3) % vocab
     was_training = model.training
     model.eval()
-    token = SCORED_ROWS.set(None)  # nothing of this check is scored (it may run inside a scoring forward)
     try:
         alone = model(input_ids=second[None], output_hidden_states=True, use_cache=False).hidden_states[-1][0]
         packed = model(input_ids=torch.cat([first, second])[None], use_cache=False, output_hidden_states=True,
                        position_ids=torch.arange(8, device=device).repeat(2)[None], attention_mask=None
                        ).hidden_states[-1][0, 8:]
     finally:
-        SCORED_ROWS.reset(token)
         model.train(was_training)
     error = float((packed.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-6))
     if not error < 0.1:
@@ -161,31 +133,34 @@ def check_packing(model: nn.Module) -> None:
     _PACKING_CHECKED.add(model)
 
 
+def scored_positions(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Where the LM head runs for a (B, T) ``mask`` of scored tokens in the padded layout: ``cols`` (C,), the positions
+    some row scores (the logits at t-1 score token t), and ``keep`` (B, C), which of each row's C head outputs score one
+    of its tokens. ``head_input[keep]`` lists the scored positions row-major, the order of ``mask[:, 1:]``."""
+    target = mask[:, 1:]
+    cols = target.any(0).nonzero().squeeze(-1)
+    return cols, target[:, cols]
+
+
 def scored_logits(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, prefix: int = 0, pack: bool = False,
-                  turns: Tensor | None = None, **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
+                  **kwargs: Any) -> tuple[Any, Tensor, Tensor]:
     """Forward ``model`` with its LM head run only where a token of ``mask`` is scored.
 
     With ``prefix`` >= :data:`MIN_SHARED_PREFIX` (see :func:`prefix_to_share`) the rows' common first ``prefix``
     tokens run once (:func:`forward_shared`); the output then starts at the prefix's end. With ``pack`` the rows run
     packed (:func:`forward_packed`); the output covers the packed positions. Returns the model output, the (N, V)
     logits scoring the N tokens of ``mask`` (row-major order, as ``mask[:, 1:]`` lists them) and those N token ids.
-    ``turns`` (B, T): each token's turn, which :data:`SCORED_TURNS` gives the head's hooks for the scored ones.
     """
     target = mask[:, 1:]  # (B, T-1): the logits at t-1 score token t
-    scored_turns = turns[:, 1:][target] if turns is not None else None  # every layout lists them row-major
     if pack:
         packed_index = attn.flatten().cumsum(0).view_as(attn) - 1  # (B, T): each real position's packed index
-        keep = packed_index[:, :-1][target]
-        with _scoring(torch.ones(1, len(keep), dtype=torch.bool, device=ids.device), scored_turns):
-            out = forward_packed(model, ids, attn, logits_to_keep=keep, **kwargs)
+        out = forward_packed(model, ids, attn, logits_to_keep=packed_index[:, :-1][target], **kwargs)
         return out, out.logits[0], ids[:, 1:][target]
-    cols = target.any(0).nonzero().squeeze(-1)  # positions some row scores
-    keep = target[:, cols]
-    with _scoring(keep, scored_turns):
-        if prefix >= MIN_SHARED_PREFIX:
-            out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
-        else:
-            out = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **{"use_cache": False, **kwargs})
+    cols, keep = scored_positions(mask)
+    if prefix >= MIN_SHARED_PREFIX:
+        out = forward_shared(model, ids, attn, prefix, logits_to_keep=cols - prefix, **kwargs)
+    else:
+        out = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **{"use_cache": False, **kwargs})
     return out, out.logits[keep], ids[:, 1:][:, cols][keep]
 
 
@@ -293,8 +268,6 @@ class Scores:
     """Positions the model's trunk ran over (padding included; a shared prefix once): its FLOPs' token count."""
     scored: int = 0
     """Tokens that went through the LM head."""
-    head_inputs: Tensor | None = None
-    """(N, H) what the LM head read at the N scored positions (in the order ``mask[:, 1:]`` lists them), when asked."""
 
 
 def _spread(target: Tensor, values: Tensor) -> Tensor:
@@ -303,79 +276,18 @@ def _spread(target: Tensor, values: Tensor) -> Tensor:
     return torch.cat([pad, torch.zeros_like(target, dtype=values.dtype).masked_scatter(target, values)], 1)
 
 
-def trunk_is_frozen(model: nn.Module) -> bool:
-    """Whether every trainable parameter of ``model`` is in its LM head (its output embeddings, with any adapter on
-    them), so that what the head reads at the scored positions stays the same while the head learns: a transformers
-    causal LM with no part sharded (a sharded head's weights exist only inside its unit's forward), no dropout before
-    the head (a new mask every forward)."""
-    from ragen_pl.dist import is_sharded
-
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Module) or any(is_sharded(m) for m in model.modules()):
-        return False
-    in_head = {id(q) for q in head.parameters()}
-    if any(q.requires_grad and id(q) not in in_head for q in model.parameters()):
-        return False
-    config = getattr(model, "config", None)
-    head_modules = {id(m) for m in head.modules()}
-    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 and id(m) not in head_modules for m in model.modules())
-    return not dropout and not float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-
-
-@contextmanager
-def _head_reads(head: nn.Module, into: list[Tensor]):
-    """Within: each call of ``head`` under a scored-rows mask appends the (N, H) inputs of its scored rows to ``into``
-    (a shared prefix's forward scores nothing and adds none)."""
-    def hook(module: nn.Module, args: tuple[Tensor, ...]) -> None:
-        rows = SCORED_ROWS.get()
-        if rows is not None:
-            into.append(args[0][rows].detach())
-
-    handle = head.register_forward_pre_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float = 1.0,
           entropy: bool = False, hidden: bool = False, share_prefix: bool = False, kept: Tensor | None = None,
-          pack: bool = False, keep_head_inputs: bool = False, head_inputs: Tensor | None = None,
-          turns: Tensor | None = None) -> Scores:
+          pack: bool = False) -> Scores:
     """Log-probs of ``ids`` at the positions of ``mask`` under ``model`` at ``temperature``; optionally the entropy
     there and the last hidden states (zeros on a shared prefix, where nothing is scored, and on padding). With
     ``kept`` (B, T, K), each token is scored over the ids its sampler kept (the sampling-mask replay of top-k / top-p
     sampling). ``pack`` runs the rows packed, without padding (it takes precedence over ``share_prefix``). No
     (B, T, V) tensor is built.
-
-    ``keep_head_inputs``: also return what the LM head read at the scored positions (``Scores.head_inputs``).
-    ``head_inputs``: those, from an earlier call on a model whose trunk has not changed since
-    (:func:`trunk_is_frozen`): only the head runs.
-    ``turns`` (B, T): each token's turn (``TrajectoryBatch.turn_ids``), for the head's hooks (:data:`SCORED_TURNS`).
     """
-    target = mask[:, 1:]
-    if head_inputs is not None:
-        if hidden or keep_head_inputs:
-            raise ValueError("`head_inputs` runs only the LM head: no hidden states to return")
-        labels = ids[:, 1:][target]
-        if head_inputs.shape[0] != labels.numel():
-            raise ValueError(f"`head_inputs` holds {head_inputs.shape[0]} positions, the mask scores {labels.numel()}")
-        with _scoring(torch.ones(1, labels.numel(), dtype=torch.bool, device=ids.device),
-                      turns[:, 1:][target] if turns is not None else None):
-            logits = model.get_output_embeddings()(head_inputs[None])[0]
-        out, positions = None, 0
-    else:
-        kwargs = {"output_hidden_states": hidden} if hidden else {}
-        prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
-        reads: list[Tensor] = []
-        with _head_reads(model.get_output_embeddings(), reads) if keep_head_inputs else nullcontext():
-            out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, turns=turns,
-                                                **kwargs)
-        positions = int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix
-    logits = logits / temperature  # (N, V)
-    if kept is not None:
-        logits = restrict_to_kept(logits, kept[:, 1:][target])
+    kwargs = {"output_hidden_states": hidden} if hidden else {}
+    prefix = prefix_to_share(model, ids, mask) if share_prefix and not pack else 0
+    out, logits, labels = scored_logits(model, ids, attn, mask, prefix=prefix, pack=pack, **kwargs)
     states = None
     if hidden:
         states = out.hidden_states[-1]
@@ -384,26 +296,21 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
         elif states.shape[1] < ids.shape[1]:  # the prefix ran once: pad it back to (B, T, H)
             states = torch.cat([states.new_zeros(ids.shape[0], ids.shape[1] - states.shape[1], states.shape[2]),
                                 states], 1)
+    s = scores_from_logits(logits, labels, mask, temperature, kept=kept, entropy=entropy)
+    s.hidden = states
+    s.positions = int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix
+    return s
+
+
+def scores_from_logits(logits: Tensor, labels: Tensor, mask: Tensor, temperature: float = 1.0,
+                       kept: Tensor | None = None, entropy: bool = False) -> Scores:
+    """:class:`Scores` of the N tokens of ``mask`` (B, T) from the (N, V) ``logits`` that score them (row-major,
+    the order of ``mask[:, 1:]``) and their (N,) ``labels``: divided by ``temperature``, restricted to each token's
+    ``kept`` set (B, T, K) when given."""
+    target = mask[:, 1:]
+    logits = logits / temperature  # (N, V)
+    if kept is not None:
+        logits = restrict_to_kept(logits, kept[:, 1:][target])
     lp, ent = token_stats(logits, labels, entropy=entropy)
-    return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None, hidden=states,
-                  positions=positions, scored=int(labels.numel()),
-                  head_inputs=torch.cat(reads) if keep_head_inputs else None)
-
-
-def scored_slots(mask: Tensor, K: int) -> Tensor:
-    """(B, K) bool: the first ``mask[:, 1:].sum(-1)`` of each row's K slots (its scored positions, in order)."""
-    counts = mask[:, 1:].sum(-1)
-    return torch.arange(K, device=mask.device) < counts[:, None]
-
-
-def by_row(loss_mask: Tensor, reads: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """(B, K, H) each row's (N, H) head inputs of ``reads`` (rows, inputs) in its first slots (K: the most any row
-    scores), zeros after."""
-    K = int(loss_mask[:, 1:].sum(-1).max())
-    H = reads[0][1].shape[-1]
-    out = reads[0][1].new_zeros(loss_mask.shape[0], K, H)
-    for rows, x in reads:
-        part = out[rows]
-        part[scored_slots(loss_mask[rows], K)] = x
-        out[rows] = part
-    return out
+    return Scores(logprobs=_spread(target, lp), entropy=_spread(target, ent) if ent is not None else None,
+                  scored=int(labels.numel()))

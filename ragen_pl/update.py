@@ -14,8 +14,8 @@ advantages) -> :meth:`StarPOUpdate.step` (mini-batches, micro-batches, clipping,
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
+from dataclasses import fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -23,21 +23,20 @@ from torch import Tensor
 
 from ragen_pl.advantages import GAE, Advantage
 from ragen_pl.config import PPOConfig
-from ragen_pl.lora import centred_unfitted, fit_centred_heads
 from ragen_pl.losses import PolicyLoss, PPOClip, aggregate, kl_penalty, value_loss
 from ragen_pl.ops import last_true, masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
 from ragen_pl.rewards import RewardNorm
-from ragen_pl.scoring import Scores, by_row, score, scored_slots, trunk_is_frozen
+from ragen_pl.scoring import Scores, score
 from ragen_pl.types import TrajectoryBatch
 
-__all__ = ["MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
-           "mismatch_metrics", "off_policy_correction"]
+__all__ = ["DEFAULT_ADVANTAGE", "DEFAULT_POLICY_LOSS", "MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
+           "mismatch_metrics", "off_policy_correction", "trimmed"]
 
-HEAD_REUSE_TOLERANCE = 0.05
-"""The largest log-prob gap (nats) between the head run alone on what it read and the model's forward for which
-:meth:`StarPOUpdate.reuses_head_inputs` keeps the head's inputs (bf16 rounding of a differently shaped matmul stays
-far below it; a transform after the head does not)."""
+DEFAULT_ADVANTAGE: type[Advantage] = GAE
+"""The estimator of a run that names none (the paper's PPO: token-level GAE, gamma = lambda = 1)."""
+DEFAULT_POLICY_LOSS: type[PolicyLoss] = PPOClip
+"""The actor's objective of a run that names none (PPO's clip with ``--model.ppo``'s clip range)."""
 
 
 class MicroLoss(NamedTuple):
@@ -55,24 +54,27 @@ class MicroLoss(NamedTuple):
 
 
 class StarPOUpdate:
-    """The update's settings and state (the mini-batch shuffling generator, the count of skipped steps)."""
+    """The update's settings and state (the mini-batch shuffling generator, the count of skipped steps).
+
+    An extension point (``--model.update``, entry-point group ``ragen_pl.updates``): a subclass changes how the
+    policy is scored (:meth:`score_policy`, called by :meth:`prepare` and each micro-batch of :meth:`step`) or adds
+    work around :meth:`prepare`. It takes no constructor arguments of its own beyond these, which
+    :class:`~ragen_pl.module.RagenModule` passes from ``--model.*``; settings of its own come as further keyword
+    arguments with defaults.
+    """
 
     def __init__(self, advantage: Advantage | None = None, ppo: PPOConfig | None = None,
                  reward_norm: RewardNorm | None = None, policy_loss: PolicyLoss | None = None, seed: int = 0) -> None:
-        self.advantage = advantage if advantage is not None else GAE()
+        self.advantage = advantage if advantage is not None else DEFAULT_ADVANTAGE()
         self.ppo = ppo or PPOConfig()
         self.reward_norm = reward_norm or RewardNorm()
-        self.policy_loss = policy_loss if policy_loss is not None else PPOClip()
+        self.policy_loss = policy_loss if policy_loss is not None else DEFAULT_POLICY_LOSS()
         self.shuffle = torch.Generator().manual_seed(seed)
         self.skipped_steps = 0
         self.positions = 0
         """Trunk positions the policy's forwards ran over in the current ``step`` (for FLOP counts)."""
         self.scored = 0
         """Tokens through the policy's LM head in the current ``step``."""
-        self._head_inputs: tuple[TrajectoryBatch, Tensor] | None = None
-        """The batch ``prepare`` scored and, (B, K, H), what the LM head read at each row's K scored positions
-        (:meth:`reuses_head_inputs`)."""
-        self._head_checked: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------------------- scoring
     def scores_old_policy_in_update(self, models: Models, n: int) -> bool:
@@ -87,30 +89,14 @@ class StarPOUpdate:
         return (p.ppo_epochs == 1 and p.mini_batch_size >= n and models.value_head is None
                 and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
 
-    def reuses_head_inputs(self, models: Models) -> bool:
-        """Whether the update's steps run only the LM head (and a value head on the policy's trunk), on what the LM
-        head read when ``prepare`` scored the rollout: only the heads train (:func:`~ragen_pl.scoring.trunk_is_frozen`:
-        a readout, ``--model.lora.target_modules=[lm_head]``), so the trunk's output is the same in every step. Each
-        micro-batch then costs the heads' forward and backward instead of the whole model's; the log-probs and
-        values are the same (checked on the first micro-batch a model scores: else it keeps the full forward)."""
-        return trunk_is_frozen(models.policy) and self._head_checked.get(models.policy, True)
-
-    def _head_reproduces(self, models: Models, s: Scores, ids: Tensor, attn: Tensor, mask: Tensor,
-                         temperature: float, kept: Tensor | None) -> bool:
-        """Once per model: whether the head alone, on what it read, gives the forward's log-probs (not for a model
-        that transforms the logits after its head, as Gemma's soft-capping does), and whether it read the hidden
-        states a value head reads (the states, not the values: a value head is 0 until its first step)."""
-        model = models.policy
-        if model not in self._head_checked:
-            again = score(model, ids, attn, mask, temperature, kept=kept, head_inputs=s.head_inputs)
-            gap = (again.logprobs - s.logprobs).abs().max() if bool(mask.any()) else torch.zeros(())
-            same = True
-            if models.value_head is not None and s.hidden is not None:
-                states = s.hidden[:, :-1][mask[:, 1:]]
-                same = states.shape == s.head_inputs.shape and torch.allclose(
-                    states.float(), s.head_inputs.float(), rtol=1e-3, atol=1e-3)
-            self._head_checked[model] = bool(gap < HEAD_REUSE_TOLERANCE) and same
-        return self._head_checked[model]
+    def score_policy(self, models: Models, part: TrajectoryBatch, rows: Tensor, *, entropy: bool = False,
+                     hidden: bool = False) -> Scores:
+        """The policy's scores of ``part``, the batch's ``rows`` cut to their longest row: the old log-probs in
+        :meth:`prepare` (``entropy`` False, ``torch.no_grad``) and each micro-batch's in :meth:`step` (``entropy``
+        True, with gradients). ``hidden``: also the last hidden states, for a value head on the policy's trunk."""
+        return score(models.policy, part.input_ids, part.attention_mask, part.loss_mask, part.temperature,
+                     entropy=entropy, hidden=hidden, share_prefix=self.ppo.share_prefix, kept=self.kept(part),
+                     pack=self.ppo.pack)
 
     def _reference_logprobs(self, models: Models, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float
                             ) -> Tensor:
@@ -124,17 +110,9 @@ class StarPOUpdate:
     def prepare(self, batch: TrajectoryBatch, models: Models) -> dict[str, Tensor]:
         """Fill old log-probs, values, reference log-probs, shaped rewards, advantages and returns in place.
 
-        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds, unless the steps
-        reuse the head's inputs (:meth:`reuses_head_inputs`), which this forward keeps.
+        Old log-probs are left to the update when :meth:`scores_old_policy_in_update` holds.
         """
-        reuse = self.reuses_head_inputs(models)
-        fit = centred_unfitted(models.policy)  # a centred head's directions come from every position this batch scores
-        fit_values = getattr(models.value_head, "fitted", None) is not None and not bool(models.value_head.fitted)
-        value_reads: list[Tensor] = []  # (N, H) the states a standardised value head reads, to fit it on
-        collect = reuse or fit
-        score_policy = collect or not self.scores_old_policy_in_update(models, len(batch))
-        self._head_inputs = None
-        reads: list[tuple[Tensor, Tensor]] = []  # (rows, (N, H) what the head read at their scored positions)
+        score_policy = not self.scores_old_policy_in_update(models, len(batch))
         filled: dict[str, Tensor] = {}
 
         def fill(name: str, rows: Tensor, x: Tensor) -> None:  # x: (len(rows), T') with T' <= T
@@ -144,35 +122,19 @@ class StarPOUpdate:
 
         for idx in micro_batches(torch.arange(len(batch), device=batch.input_ids.device), batch.attention_mask,
                                  self.ppo.micro_batch_size):
-            part = batch.select(idx)
-            T = int(part.attention_mask.sum(-1).max())
-            ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+            part = trimmed(batch.select(idx))
+            ids, attn, mask = part.input_ids, part.attention_mask, part.loss_mask
             if score_policy:
-                kept = self._kept(part, T)
-                s = score(models.policy, ids, attn, mask, batch.temperature, hidden=models.value_head is not None,
-                          share_prefix=self.ppo.share_prefix, kept=kept, pack=self.ppo.pack, keep_head_inputs=collect)
+                s = self.score_policy(models, part, idx, hidden=models.value_head is not None)
                 fill("old_logprobs", idx, s.logprobs)
-                reuse = reuse and self._head_reproduces(models, s, ids, attn, mask, batch.temperature, kept)
-                if collect:
-                    reads.append((idx, s.head_inputs))
                 if s.hidden is not None:
                     fill("values", idx, models.shared_values(s.hidden))
-                    if fit_values:  # the value of token t is read at position t - 1
-                        value_reads.append(s.hidden[:, :-1][mask[:, 1:]])
             if models.critic is not None:
                 fill("values", idx, models.critic_values(ids, attn, mask, self.ppo.share_prefix, self.ppo.pack))
             if self.ppo.kl_coeff > 0:
                 fill("ref_logprobs", idx, self._reference_logprobs(models, ids, attn, mask, batch.temperature))
         for name, x in filled.items():
             setattr(batch, name, x)
-        read = by_row(batch.loss_mask, reads) if reads else None  # (B, K, H)
-        if fit and read is not None:  # (the adapter is 0 until the first step: the log-probs above do not depend on U)
-            turns = batch.turn_ids[:, 1:][batch.loss_mask[:, 1:]]  # row-major, the order of each row's slots
-            fit_centred_heads(models.policy, read[scored_slots(batch.loss_mask, read.shape[1])], turns)
-        if fit_values and value_reads:  # (the value head is 0 until its first step: the values above do not depend on it)
-            models.value_head.fit(torch.cat(value_reads))
-        if reuse and read is not None:
-            self._head_inputs = (batch, read)
         metrics: dict[str, Tensor] = {}
         if self.reward_norm.method != "identity":
             self._normalise_rewards(batch)
@@ -203,11 +165,9 @@ class StarPOUpdate:
         rewards[last_row, last_true(batch.loss_mask[last_row])] = scores.to(rewards.dtype)
         batch.rewards = torch.where(batch.loss_mask, rewards, 0.0)
 
-    def _kept(self, part: TrajectoryBatch, T: int) -> Tensor | None:
-        """The sampler's kept sets of ``part`` (cut to T), when replayed."""
-        if not self.ppo.replay_sampling_mask or part.sampling_masks is None:
-            return None
-        return part.sampling_masks[:, :T]
+    def kept(self, part: TrajectoryBatch) -> Tensor | None:
+        """The sampler's kept sets of ``part`` (B, T, K), when they are replayed (``--model.ppo.replay_sampling_mask``)."""
+        return part.sampling_masks if self.ppo.replay_sampling_mask else None
 
     # -------------------------------------------------------------------------------------------- update
     def loss_denominator(self, mask: Tensor) -> Tensor:
@@ -217,24 +177,19 @@ class StarPOUpdate:
         return mask.any(-1).sum().clamp(min=1)
 
     def micro_loss(self, part: TrajectoryBatch, models: Models, mini_count: Tensor,
-                   head_inputs: Tensor | None = None) -> MicroLoss:
-        """Actor loss and critic loss of one micro-batch, scaled so that micro-batches add up to the mini-batch.
-        ``head_inputs`` (n, K, H): what the LM head read at each row's scored positions (:meth:`reuses_head_inputs`);
-        only the head runs."""
+                   rows: Tensor | None = None) -> MicroLoss:
+        """Actor loss and critic loss of one micro-batch (``part``, the batch's ``rows``), scaled so that
+        micro-batches add up to the mini-batch."""
         p = self.ppo
-        T = int(part.attention_mask.sum(-1).max())
-        ids, attn, mask = part.input_ids[:, :T], part.attention_mask[:, :T], part.loss_mask[:, :T]
+        part = trimmed(part)
+        ids, attn, mask = part.input_ids, part.attention_mask, part.loss_mask
         scale = self.loss_denominator(mask) / mini_count
-        if head_inputs is not None:
-            head_inputs = head_inputs[scored_slots(mask, head_inputs.shape[1])]
-        s = score(models.policy, ids, attn, mask, part.temperature, entropy=True,
-                  hidden=models.value_head is not None and head_inputs is None, share_prefix=p.share_prefix,
-                  kept=self._kept(part, T), pack=p.pack, head_inputs=head_inputs, turns=part.turn_ids[:, :T])
+        rows = rows if rows is not None else torch.arange(len(part), device=ids.device)
+        s = self.score_policy(models, part, rows, entropy=True, hidden=models.value_head is not None)
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
-        old = part.old_logprobs[:, :T] if part.old_logprobs is not None else s.logprobs.detach()
+        old = part.old_logprobs if part.old_logprobs is not None else s.logprobs.detach()
         advantages, off_metrics = off_policy_correction(
-            part.advantages[:, :T], mask, old, None if part.rollout_logprobs is None else part.rollout_logprobs[:, :T],
-            p.tis_cap, p.mis_bound)
+            part.advantages, mask, old, part.rollout_logprobs, p.tis_cap, p.mis_bound)
         pg, metrics = self.policy_loss(s.logprobs, old, advantages, mask, p)
         metrics.update(off_metrics)
         self.positions += s.positions
@@ -246,14 +201,14 @@ class StarPOUpdate:
         metrics["loss/policy"] = pg.detach()
         metrics["loss/entropy"] = ent.detach()
         if p.kl_coeff > 0 and p.kl_mode == "loss":
-            kl = aggregate(kl_penalty(s.logprobs, part.ref_logprobs[:, :T], p.kl_estimator), mask, p.loss_agg, norm)
+            kl = aggregate(kl_penalty(s.logprobs, part.ref_logprobs, p.kl_estimator), mask, p.loss_agg, norm)
             actor = actor + p.kl_coeff * kl
             metrics["loss/kl"] = kl.detach()
         critic = None
         if models.has_critic:
             values = (models.critic_values(ids, attn, mask, p.share_prefix, p.pack) if models.critic is not None
-                      else models.shared_values(s.hidden) if head_inputs is None else models.values_at(mask, head_inputs))
-            vf, vm = value_loss(values, part.values[:, :T], part.returns[:, :T], mask, p.value_clip, p.loss_agg, norm)
+                      else models.shared_values(s.hidden))
+            vf, vm = value_loss(values, part.values, part.returns, mask, p.value_clip, p.loss_agg, norm)
             metrics.update(vm)
             metrics["loss/value"] = vf.detach()
             if models.critic is None:
@@ -275,7 +230,6 @@ class StarPOUpdate:
         n = len(batch)
         steps = 0
         scored: list[tuple[Tensor, Tensor]] = []  # (rows, old log-probs) when the update scores the old policy
-        reads = self._head_inputs[1] if self._head_inputs is not None and self._head_inputs[0] is batch else None
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(n, generator=self.shuffle).to(batch.input_ids.device)
             for start in range(0, n, p.mini_batch_size):
@@ -284,8 +238,7 @@ class StarPOUpdate:
                 for opt in optimizers:
                     opt.zero_grad(set_to_none=True)
                 for micro in micro_batches(idx, batch.attention_mask, p.micro_batch_size):
-                    reused = {} if reads is None else {"head_inputs": reads[micro]}
-                    loss = self.micro_loss(batch.select(micro), models, mini_count, **reused)
+                    loss = self.micro_loss(batch.select(micro), models, mini_count, rows=micro)
                     backward(loss.actor if loss.critic is None else loss.actor + loss.critic)
                     if batch.old_logprobs is None:
                         scored.append((micro, loss.old_logprobs))
@@ -407,6 +360,16 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, var_floor:
     if r.numel() < 2 or float(r.var()) <= var_floor * max(1.0, float(r.abs().max()) ** 2):
         return torch.tensor(float("nan"))
     return (1 - (r - v).var() / r.var()).float()
+
+
+def trimmed(part: TrajectoryBatch) -> TrajectoryBatch:
+    """``part`` cut to its longest row (sequences are right-padded): no position past it is computed."""
+    T = int(part.attention_mask.sum(-1).max())
+    if part.input_ids.shape[1] == T:
+        return part
+    per_token = {f.name: x[:, :T] for f in fields(part)
+                 if isinstance(x := getattr(part, f.name), Tensor) and f.name not in ("group_ids", "traj_ids")}
+    return replace(part, **per_token)
 
 
 def micro_batches(rows: Tensor, attention_mask: Tensor, size: int) -> list[Tensor]:

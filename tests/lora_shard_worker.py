@@ -1,4 +1,4 @@
-"""One process of tests/test_distributed.py::test_sharded_lora_merges_and_centres_like_one_process (gloo, CPU)."""
+"""One process of tests/test_distributed.py::test_sharded_lora_merges_like_one_process (gloo, CPU)."""
 
 import json
 import os
@@ -8,25 +8,17 @@ import torch
 import torch.distributed as dist
 
 
-def turn_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s rows (n, 8) and their turns: turns 0 and 1 on rank 0, turns 0 and 2 on rank 1."""
-    rows = torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(20 + rank), dtype=torch.float64)
-    return rows, torch.tensor([[0, 0, 1, 1, 1], [0, 2, 2, 2, 0, 2]][rank])
-
-
 def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora, turn_directions
+    from ragen_pl.lora import add_lora
     from ragen_pl.policy import policy_state_dict
-    from ragen_pl.scoring import SCORED_ROWS, score
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2,
-                        whiten_head=True)
+    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"])
     policy = add_lora(AutoModelForCausalLM.from_pretrained(model_path), lora)
     with torch.no_grad():  # trained-looking adapters, the same on every rank
         gen = torch.Generator().manual_seed(0)
@@ -36,24 +28,9 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     for layer in policy.get_base_model().model.layers:
         fully_shard(layer)
     fully_shard(policy)
-    policy.train()
-    ids = torch.randint(3, 100, (2, 6 + 3 * rank), generator=torch.Generator().manual_seed(10 + rank))
-    attn = torch.ones_like(ids, dtype=torch.bool)
-    mask = attn.clone()
-    mask[:, :2] = False  # the first two tokens are the prompt
-    seen = []  # the head's input at the scored positions (a plain hook, before the centring)
-    head_a = policy.get_base_model().get_output_embeddings().lora_A["default"]
-    head_a.register_forward_pre_hook(
-        lambda m, a: seen.append(a[0][SCORED_ROWS.get()].detach().double()) if not seen else None, prepend=True)
-    score(policy, ids, attn, mask).logprobs.sum().backward()  # the first update's forward fixes the directions
-    h = seen[0]
     merged = policy_state_dict(policy, lora=True)
-    rows, turns = turn_rows(rank)  # turn directions (center_turns) from both ranks' rows: turn 2 only on rank 1
-    by_turn = turn_directions(rows, turns, 2)
     with open(out, "w") as f:
-        json.dump({"directions": getattr(head_a, SHARED_DIRECTIONS).tolist(), "moment": (h.T @ h).tolist(),
-                   "rows": h.shape[0], "scale": getattr(head_a, FEATURE_SCALE).tolist(), "by_turn": by_turn.tolist(),
-                   "merged": {k: v.tolist() for k, v in merged.items() if "lm_head" in k or "layers.0.self_attn.q"
+        json.dump({"merged": {k: v.tolist() for k, v in merged.items() if "lm_head" in k or "layers.0.self_attn.q"
                               in k or "layers.1.mlp.down" in k}}, f)
     dist.destroy_process_group()
 

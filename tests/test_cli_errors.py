@@ -5,10 +5,19 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragen_pl.cli import main
+from ragen_pl.hooks import ModelHook
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class ValueHeadHook(ModelHook):
+    """A hook that builds the shared value head: refused where no shared value head is built."""
+
+    def value_head(self, hidden_size):
+        return torch.nn.Linear(hidden_size, 1)
 QUICK = ["fit", "--config", str(ROOT / "configs" / "quickstart.yaml")]
 
 
@@ -63,9 +72,11 @@ def test_yaml_error_names_file_and_line(capsys, tmp_path):
                                     "Got value: k9"),
     ("--data.rollout.max_seq_len=100000", "error: `--data.rollout.max_seq_len` (100000) must be <= the model's context "
                                           "(4096 positions)"),
-    ("--model.value_input=standardised", "error: `--model.value_input=standardised` needs a value head on the policy's "
-                                         "trunk (`--model.critic=shared` and an advantage with a critic, such as GAE), "
-                                         "got `--model.critic=separate`"),
+    ("--model.hooks=[tests.test_cli_errors.ValueHeadHook]",
+     "error: `--model.hooks`: ValueHeadHook builds the value head on the policy's trunk, which needs "
+     "`--model.critic=shared` and an advantage with a critic (such as GAE); this run builds a separate critic"),
+    ("--model.updater=torch.nn.Linear", "error: --model.updater: Expected a path but torch.nn.Linear either not "
+                                      "accessible or invalid"),
 ])
 def test_config_object_errors_are_one_line(capsys, tiny_model_path, flag, expected):
     with pytest.raises(SystemExit) as info:

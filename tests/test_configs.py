@@ -33,8 +33,6 @@ def test_config_runs_one_step(config, tiny_model_path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # LoRA on SmolLM2's last 10 of 30 layers: the tiny model has 2.
     fit = ["--model.lora.last_layers=1"] if "last_layers" in config.read_text() else []
-    if "head_tokens" in config.read_text():  # the tiny tokenizer spells Down and Left in two tokens each
-        fit.append("--model.lora.head_tokens=[Up,Right]")
     assert main(["fit", "--config", str(config), f"--model.model={tiny_model_path}", *SHRINK, *fit]) == 0
 
 
@@ -104,6 +102,23 @@ def test_help_lists_subcommands_and_known_subclasses():
     top = subprocess.run([sys.executable, "-m", "ragen_pl.cli", "--help"], capture_output=True, text=True).stdout
     for command in ("plugins", "play", "tiny", "sft", "demos", "fit|validate|test"):
         assert command in top
+
+
+def test_fit_help_opens_with_the_options_users_set_and_their_own_help():
+    """`ragen-pl fit --help` names the rollout and env options in its first lines, with the command that shows each
+    group's settings; every such command works and lists that group's fields."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "ragen_pl.cli", "fit", *args], capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": "200"}).stdout
+
+    head = run("--help").splitlines()[:16]
+    assert head[0].startswith("ragen-pl fit: StarPO / RAGEN training")
+    text = "\n".join(head)
+    for shown in ("--data.rollout.help", "--data.env.help NAME", "--model.ppo.help", "--data.filter.help NAME"):
+        assert shown in text, shown
+    assert "--data.rollout.max_new_tokens" in run("--data.rollout.help")
+    assert "--data.env.slippery" in run("--data.env.help", "frozen_lake")
+    assert "--data.filter.top_p" in run("--data.filter.help", "variance_top_p")
 
 
 def test_bad_value_is_one_line_naming_the_flag(tiny_model_path, capsys):

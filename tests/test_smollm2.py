@@ -105,7 +105,9 @@ def test_warm_start_recipe_is_its_configs_layout(env):
 
     from ragen_pl.models.smollm2 import SMOLLM2_WARM
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / f"smollm2-{env}.yaml").read_text())
+    root = Path(__file__).resolve().parents[1]  # the readout experiments' configs are the experiments'
+    config = yaml.safe_load((root / ("configs" if env == "bandit" else "experiments/configs") / f"smollm2-{env}.yaml")
+                            .read_text())
     recipe = SMOLLM2_WARM[env]
     assert config["model"]["model"] == f"{SMOLLM2}-warm-{env}"
     assert config["data"]["env"]["class_path"] == recipe.env
@@ -121,52 +123,28 @@ def test_unknown_warm_start_names_the_known_ones():
         resolve_model(f"{SMOLLM2}-warm-chess")
 
 
-@pytest.mark.parametrize("env", ["frozenlake", "sokoban"])
-def test_effective_warm_start_is_its_envs_recipe_on_effective_play(env):
-    from dataclasses import replace
-
-    from ragen_pl.models.smollm2 import SMOLLM2_WARM
-
-    assert SMOLLM2_WARM[env].play == "random"
-    assert SMOLLM2_WARM[f"{env}-effective"] == replace(SMOLLM2_WARM[env], play="effective")
-
-
-@pytest.mark.parametrize("name", ["frozenlake", "sokoban", "frozenlake-effective", "sokoban-effective"])
-def test_stateonly_warm_start_is_the_recipe_without_the_turn_header(name):
-    from dataclasses import replace
-
-    from ragen_pl.models.smollm2 import SMOLLM2_WARM
-
-    recipe = SMOLLM2_WARM[name]
-    assert "turn_header" not in recipe.rollout  # the cached builds of the header layout keep their keys
-    assert SMOLLM2_WARM[f"{name}-stateonly"] == replace(recipe, rollout={**recipe.rollout, "turn_header": False})
-
-
 def test_a_warm_start_in_another_prompt_layout_is_named_in_one_line():
     """The layout a SmolLM2 warm start was taught against the config's: each differing field is named with both
     values; a matching layout, another model and a path say nothing. A fit warns with that line."""
     from ragen_pl.config import RolloutConfig
-    from ragen_pl.lightning_cli import _warn_warm_layout
     from ragen_pl.models.smollm2 import SMOLLM2_WARM, warm_layout_mismatch
+    from ragen_pl.notices import warn_warm_layout
 
     taught = RolloutConfig(**SMOLLM2_WARM["frozenlake"].rollout)
     assert warm_layout_mismatch(f"{SMOLLM2}-warm-frozenlake", taught) is None
-    assert warm_layout_mismatch(f"{SMOLLM2}-warm-frozenlake-stateonly",
-                                RolloutConfig(**{**taught.__dict__, "turn_header": False})) is None
     assert warm_layout_mismatch("ragen-pl/tiny", taught) is None
     assert warm_layout_mismatch("/some/folder", RolloutConfig()) is None
     wrong = RolloutConfig(**{**taught.__dict__, "turn_header": False, "max_new_tokens": 16})
     assert warm_layout_mismatch(f"{SMOLLM2}-warm-frozenlake", wrong) == (
         f"`--model.model` {SMOLLM2}-warm-frozenlake was taught prompts in another layout: "
         "--data.rollout.turn_header=False (taught: True); --data.rollout.max_new_tokens=16 (taught: 8). It will "
-        "answer prompts it never saw; use the warm start of this layout (e.g. the -stateonly one for turn_header "
-        "false)")
+        "answer prompts it never saw; use a warm start of this layout (`ragen-pl demos` and `ragen-pl sft` build one)")
 
     class Model:
-        hparams = {"model": f"{SMOLLM2}-warm-frozenlake-stateonly"}
+        hparams = {"model": f"{SMOLLM2}-warm-frozenlake"}
 
     class Data:
-        rollout_config = taught
+        rollout_config = wrong
 
-    with pytest.warns(UserWarning, match=r"--data.rollout.turn_header=True \(taught: False\)\. It will answer"):
-        _warn_warm_layout(Model(), Data())
+    with pytest.warns(UserWarning, match=r"--data.rollout.turn_header=False \(taught: True\); .* It will answer"):
+        warn_warm_layout(Model(), Data())

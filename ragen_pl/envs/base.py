@@ -21,6 +21,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict
 
+from ragen_pl.config import check_int
+
+__all__ = ["Env", "StepInfo", "StepResult", "check_int", "check_range", "check_separator", "grid_text"]
+
 
 class StepInfo(TypedDict, total=False):
     success: bool
@@ -69,7 +73,7 @@ class Env(ABC):
 
     def effective_actions(self) -> tuple[str, ...]:
         """The actions whose intended move changes the state here (no walk into a wall or off the map). Knows the
-        rules, not the goal: random play over them is still random, only board-aware (the ``effective`` warm start
+        rules, not the goal: random play over them is still random, only board-aware (``play="effective"``
         of :func:`ragen_pl.sft.demonstrations`). Default: every action."""
         if self.actions is None:
             raise TypeError(f"{type(self).__name__} takes free text; it has no named actions")
@@ -123,10 +127,3 @@ def check_range(name: str, value: float, low: float | None = None, high: float |
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value!r}")
-
-
-def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the field unless ``value`` is an int within bounds."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__})")
-    check_range(name, value, low, high)

@@ -185,24 +185,46 @@ def shortest_path(env: FrozenLake) -> list[str] | None:
     return names
 
 
+def _outcomes(env: FrozenLake) -> tuple[int, ...]:
+    """Turns an intended move may take: none, or (slippery) also each perpendicular one, all equally likely."""
+    return (-1, 0, 1) if env.slippery else (0,)
+
+
+def _moved(n: int, cell: tuple[int, int], a: int) -> tuple[int, int]:
+    """Where move ``a`` takes ``cell`` on an n x n map (a move off the map stays)."""
+    dr, dc = _MOVES[a]
+    return min(max(cell[0] + dr, 0), n - 1), min(max(cell[1] + dc, 0), n - 1)
+
+
+def action_values(env: FrozenLake, budget: int) -> dict[str, float]:
+    """Each action's probability of reaching the goal from the current position within ``budget`` actions, acting
+    optimally after it (finite-horizon value iteration under the env's transition rule, observing after each move)."""
+    n, outcomes = env.size, _outcomes(env)
+    cells = [(r, c) for r in range(n) for c in range(n)]
+
+    def q(values, cell, a):
+        return sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+
+    values = {c: float(c == env.goal) for c in cells}  # no action left
+    for _ in range(budget - 1):
+        values = {c: (1.0 if c == env.goal else 0.0 if c in env.holes else max(q(values, c, a) for a in range(4)))
+                  for c in cells}
+    return {name: q(values, env.pos, i) for i, name in enumerate(env.actions)}
+
+
 def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000):
     """Optimal success probability and greedy policy under the env's transition rule.
 
     Returns ``(values, policy)``: dicts from tile to the probability of reaching the goal when acting optimally
     (without a step limit), and to the best action name.
     """
-    n = env.size
-    outcomes = (-1, 0, 1) if env.slippery else (0,)
+    n, outcomes = env.size, _outcomes(env)
     tiles = [(r, c) for r in range(n) for c in range(n)]
     values = {t: 0.0 for t in tiles}
     values[env.goal] = 1.0
 
-    def move(cell, a):
-        dr, dc = _MOVES[a]
-        return min(max(cell[0] + dr, 0), n - 1), min(max(cell[1] + dc, 0), n - 1)
-
     def q(cell, a):
-        return sum(values[move(cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+        return sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
 
     for _ in range(max_iters):
         delta = 0.0

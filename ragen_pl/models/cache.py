@@ -8,7 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BUILD_THREADS", "build_threads", "cache_dir", "replace_dir"]
+__all__ = ["BUILD_THREADS", "PREFIX", "build_threads", "cache_dir", "replace_dir"]
+
+PREFIX = "ragen-pl/"
+"""The prefix of named models (``ragen-pl/tiny``, ``ragen-pl/<plugin entry name>``): built offline, not a hub id."""
 
 #: Torch threads a cached build runs with, whoever calls it. A CPU's float sums depend on how many threads split them,
 #: so the same recipe built first by a test (one thread) or by the CLI (two) gave different weights under one cache

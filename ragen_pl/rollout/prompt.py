@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
-
 #: Completions longer than this are not parsed (a format failure), which bounds the regex work on hostile text.
 MAX_COMPLETION_CHARS = 2_000_000
 

@@ -90,7 +90,7 @@ def test_hostile_input_scores_zero_fast_and_never_raises(text):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"num_numbers": 1}, r"`num_numbers` must be in \[2, 8\], got 1"),
+        ({"num_numbers": 1}, r"`num_numbers` must be an integer in \[2, 8\], got 1"),
         ({"format_reward": 2.0}, r"`format_reward` must be in \[0.0, 1.0\], got 2.0"),
     ],
 )

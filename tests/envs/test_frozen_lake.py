@@ -78,7 +78,7 @@ def test_invalid_action():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"size": 1}, r"`size` must be in \[2, 64\], got 1"),
+        ({"size": 1}, r"`size` must be an integer in \[2, 64\], got 1"),
         ({"frozen_prob": 1.5}, r"`frozen_prob` must be in \[0.0, 1.0\], got 1.5"),
         ({"frozen_prob": 0.2}, r"`frozen_prob` must be >= 0.5"),
         ({"slippery": "yes"}, r"`slippery` must be true or false, got 'yes'"),

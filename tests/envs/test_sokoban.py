@@ -110,11 +110,11 @@ def test_other_symbols_variant_is_a_config():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"dim_room": (3, 6)}, r"`dim_room\[0\]` must be in \[4, 64\], got 3"),
+        ({"dim_room": (3, 6)}, r"`dim_room\[0\]` must be an integer in \[4, 64\], got 3"),
         ({"dim_room": 6}, r"`dim_room` must be \(rows, cols\), got 6"),
-        ({"num_boxes": 0}, r"`num_boxes` must be in \[1, 10\], got 0"),
+        ({"num_boxes": 0}, r"`num_boxes` must be an integer in \[1, 10\], got 0"),
         ({"num_boxes": 8}, r"`num_boxes` 8 does not fit a 6x6 room; at most 7 boxes fit"),
-        ({"max_steps": 1.5}, r"`max_steps` must be an integer, got 1.5"),
+        ({"max_steps": 1.5}, r"`max_steps` must be an integer >= 1, got 1.5"),
         ({"symbols": {"wall": "#"}}, r"`symbols` must have exactly the keys"),
         ({"symbols": dict(zip(DEFAULT_SYMBOLS, "#######"))}, r"`symbols` values must be distinct"),
     ],

@@ -1,6 +1,6 @@
 """How many trajectories does RL need on FrozenLake or Sokoban when all it has to learn is a linear readout of the board?
 
-    python benchmarks/readout_rl.py [--env frozenlake|sokoban] [--features onehot local llm] [--lrs 0.03 0.1 0.3]
+    python -m ragen_pl_experiments.research.readout_rl [--env frozenlake|sokoban] [--features onehot local llm] [--lrs 0.03 0.1 0.3]
                                     [--seeds 0 1 2] [--iterations 60] [--common 0.067 [--center]]
 
 A diagnostic of issue 20's sample budget, never a result: nothing here trains SmolLM2. The policy is a softmax over
@@ -25,7 +25,7 @@ Features:
 Geometry: SmolLM2's last hidden state is mostly what every prompt shares (each dimension varies across boards by
 0.064 of its size, as ``--features llm`` prints). ``--common EPS`` gives any feature set that shape (a fixed vector common to every board plus EPS
 times the features), to see what it does to learning; ``--center`` then reads the features less their component
-along their mean direction, fixed at the first update (the centred head, ``--model.lora.center_head``: the learner
+along their mean direction, fixed at the first update (the centred head, ``ReadoutHead(center=k)``: the learner
 reads one kind of position, so one direction is its shared part).
 ``--kl-coeff`` adds a KL term to the starting policy; ``--optimizer sgd``, ``--entropy-coeff``, ``--agg seq`` and
 ``--val-temperature`` vary the rest of the rule. ``--ppo-epochs N --mini-batch M`` replace the one plain step an
@@ -42,8 +42,8 @@ the standardised states, each scaled to unit variance, and ``--feature-cache FIL
 token about as much as the board does; by default every turn reads its board's first-turn prompt. The shift is
 taken as additive (the board's first-turn state plus the mean shift of turn t's text over 32 first boards,
 :func:`probe_reading.turn_prompt`), so the states are still computed once per board.
-``--head runs`` reads the states as the runs' whitened head does instead of standardised (``center_head`` and
-``whiten_head`` of the config: less the k leading directions of the second moment of the hidden states at the four
+``--head runs`` reads the states as the runs' whitened head does instead of standardised (``center`` and
+``whiten`` of the config's ReadoutHead: less the k leading directions of the second moment of the hidden states at the four
 positions a first turn's answer scores, each dimension divided by its root mean square over all four), fitted on the
 first turns of 128 boards (:func:`head_geometry.scored_hidden_states`) where the runs fit it on their first
 micro-batch; ``--head action`` also leaves out the action position's mean and divides by the root mean square there
@@ -61,16 +61,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from head_geometry import head_input  # noqa: E402
-from real_llm import load_config, make_env, random_success  # noqa: E402
+from ragen_pl_experiments.research.common import load_config, make_env, random_success, readout
+from ragen_pl_experiments.research.head_geometry import head_input
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +185,7 @@ class Hidden:
         self.mean, self.std = x.mean(0), x.std(0) + 1e-6
         if head != "standardised":
             if self.scored is None:
-                from head_geometry import scored_hidden_states
+                from ragen_pl_experiments.research.head_geometry import scored_hidden_states
 
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     self.scored, _ = scored_hidden_states(self.model, self.tok, cfg, range(128),
@@ -197,7 +193,7 @@ class Hidden:
             scored = self.scored.double()
             if self.offsets is not None:  # the action position of every turn's prompt; the format positions as fitted
                 scored = torch.cat([torch.cat([scored[:, :1] + d.double(), scored[:, 1:]], 1) for d in self.offsets])
-            self.head = head_input(scored, cfg["model"]["lora"]["center_head"], head == "action")
+            self.head = head_input(scored, readout(cfg)["center"], head == "action")
         if pca is not None:
             self.basis = pca_basis((x - self.mean) / self.std, pca)
         self.size, self.spread = float(x.abs().mean()), float(x.std(0).mean())
@@ -220,7 +216,8 @@ class Hidden:
         when the same board is the prompt of turn t instead of turn 1 (``Turn t``, t - 1 fewer actions left, and the
         ``Reward: 0`` line of a later turn's message); row 0 is zeros."""
         import torch
-        from probe_reading import prompt_states, turn_prompt
+
+        from ragen_pl_experiments.research.probe_reading import prompt_states, turn_prompt
 
         turns = self.cfg["data"]["rollout"].get("max_turns", 10)
         prompts = [turn_prompt(self.cfg, self.tok, env, env.render(), t) for env in envs for t in range(1, turns + 1)]
@@ -230,7 +227,8 @@ class Hidden:
 
     def __call__(self, envs, turn: int = 0) -> torch.Tensor:
         import torch
-        from probe_reading import first_turn, hidden_states
+
+        from ragen_pl_experiments.research.probe_reading import first_turn, hidden_states
 
         obs = [env.render() for env in envs]
         new = sorted({o for o in obs if o not in self.known})
@@ -245,7 +243,7 @@ class Hidden:
         if self.mean is None:
             return x
         if self.head is not None:
-            from ragen_pl.lora import project_out
+            from ragen_pl_experiments.readout import project_out
 
             directions, scale = self.head
             return project_out(x.double(), directions).float() / scale.float()
@@ -289,8 +287,8 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
 
     from ragen_pl.advantages import grpo
     from ragen_pl.filters import select_groups
-    from ragen_pl.lora import project_out
     from ragen_pl.losses import ppo_clip
+    from ragen_pl_experiments.readout import project_out
 
     data = cfg["data"]
     budget = data["rollout"].get("max_actions_per_episode", 10)
@@ -309,7 +307,7 @@ def run(cfg: dict, features, lr: float, seed: int, args) -> tuple[list[float], l
     if args.common is not None:  # SmolLM2's geometry: a large part common to every board, a small part that is not
         offset = torch.randn(dim, generator=torch.Generator().manual_seed(1234))
 
-    mean_direction = None  # --center: ragen_pl.lora's centred head, the direction fixed at the first update
+    mean_direction = None  # --center: ragen_pl_experiments.readout's centred head, the direction fixed at the first update
 
     def feats(envs, turn: int = 0):
         x = features(envs, turn) if isinstance(features, Hidden) else features(envs)
@@ -445,7 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "per-dimension size over 256 boards, 0.067 over 16: the README's runs used 0.067)")
     parser.add_argument("--center", action="store_true",
                         help="read the features less their component along their mean direction, fixed at the first "
-                        "update (--model.lora.center_head with one kind of position)")
+                        "update (ReadoutHead's center with one kind of position)")
     parser.add_argument("--val-temperature", type=float, default=None,
                         help="evaluation temperature (default: the config's val_temperature)")
     parser.add_argument("--agg", choices=("token", "seq"), default="token",

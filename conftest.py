@@ -1,4 +1,4 @@
-"""Test setup: offline, one torch thread per process (2 cores are shared), deterministic."""
+"""Test setup (tests/ and experiments/tests/): offline, one torch thread per process (2 cores are shared), deterministic."""
 
 import os
 
@@ -45,7 +45,7 @@ def _tree_state() -> set[str]:
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root, capture_output=True,
                              text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""benchmarks/readout_rl.py: the readout learner learns what it can represent, its hand-made features say what they
+"""ragen_pl_experiments.research.readout_rl: the readout learner learns what it can represent, its hand-made features say what they
 claim, and bad flags are refused in one line."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import import_benchmark
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def readout_rl(monkeypatch):
-    return import_benchmark(monkeypatch, "readout_rl")
+    import ragen_pl_experiments.research.readout_rl as readout_rl
+
+    return readout_rl
 
 
 @pytest.fixture
@@ -209,17 +209,17 @@ def test_head_reading_of_the_states_is_cached(readout_rl, tiny_boards, monkeypat
     """``--head runs``: the states come out as ``(h - U U^T h) / s`` of :func:`head_input` fitted on 128 boards' first
     turns, which the feature cache keeps (the second reading runs no model); a layer other than the last, which the
     head does not read, is refused in one line."""
-    from ragen_pl.lora import project_out
+    from ragen_pl_experiments.readout import project_out
 
     cfg, boards = tiny_boards
     cache = tmp_path / "states.pt"
     first = readout_rl.Hidden(cfg, 2, boards, cache=str(cache), head="runs")
     assert first.scored.shape[0] == 128 and first.scored.shape[1] >= 2  # the action, then the closing tag's tokens
-    directions, scale = readout_rl.head_input(first.scored.double(), cfg["model"]["lora"]["center_head"], False)
+    directions, scale = readout_rl.head_input(first.scored.double(), readout_rl.readout(cfg)["center"], False)
     raw = torch.stack([first.known[b.render()] for b in boards]).double()
     torch.testing.assert_close(first(boards), (project_out(raw, directions) / scale).float())
     first.save()
-    import head_geometry
+    import ragen_pl_experiments.research.head_geometry as head_geometry
     monkeypatch.setattr(head_geometry, "scored_hidden_states", lambda *a: pytest.fail("the cache held them"))
     again = readout_rl.Hidden(cfg, 2, boards, cache=str(cache), head="runs")
     torch.testing.assert_close(again(boards), first(boards))
@@ -233,7 +233,7 @@ def test_turn_prompt_is_what_the_rollout_feeds(readout_rl, tiny, monkeypatch, he
     """``probe_reading.turn_prompt``: the token ids the collector feeds at each turn of the FrozenLake config's
     window-1 rollout (rules, ``Reward: 0``, ``Turn t``, the board, the actions left; or, with ``turn_header``
     false, the rules and the board), turn by turn."""
-    import probe_reading
+    import ragen_pl_experiments.research.probe_reading as probe_reading
 
     from ragen_pl.config import RolloutConfig
     from ragen_pl.envs.frozen_lake import FrozenLake
@@ -261,7 +261,7 @@ def test_turn_text_offsets_by_hand(readout_rl, tiny_boards, tmp_path):
     """``--turn-text``: row t of the offsets is the mean over the boards of the state of turn t + 1's prompt less
     turn 1's (row 0 zero); a turn reads its board's first-turn state plus its row, standardised over every board at
     every turn; the offsets are cached with the states."""
-    import probe_reading
+    import ragen_pl_experiments.research.probe_reading as probe_reading
 
     cfg, boards = tiny_boards
     cache = tmp_path / "states.pt"

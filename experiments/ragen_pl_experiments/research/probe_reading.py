@@ -1,6 +1,6 @@
 """Can SmolLM2-135M read the board? A linear probe on its hidden states where it starts to answer.
 
-    python benchmarks/probe_reading.py [--env frozenlake|sokoban] [--train 768] [--test 256] [--layers 10 20 30]
+    python -m ragen_pl_experiments.research.probe_reading [--env frozenlake|sokoban] [--train 768] [--test 256] [--layers 10 20 30]
                                        [--play 4]
 
 For each grid spelling (RAGEN's cells side by side, and ``cell_separator=" "``: every cell its own token), the
@@ -32,16 +32,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from probe_solver_sft import optimal_first_actions  # noqa: E402
-from real_llm import load_config  # noqa: E402
-from real_llm import make_env as make_spec_env  # noqa: E402
+from ragen_pl_experiments.research.common import load_config, optimal_first_actions
+from ragen_pl_experiments.research.common import make_env as make_spec_env
 
 
 def make_env(cfg: dict, separator: str):

