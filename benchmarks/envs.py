@@ -20,7 +20,7 @@ from collections import Counter
 
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.envs.countdown import Countdown
-from ragen_pl.envs.frozen_lake import FrozenLake, _path
+from ragen_pl.envs.frozen_lake import FrozenLake, shortest_path
 from ragen_pl.envs.sokoban import Sokoban, solve
 
 TARGETS = {"sokoban 6x6 1 box": 1000, "frozen_lake 4x4": 5000}
@@ -63,7 +63,7 @@ def optimal_lengths(env, rooms: int) -> list[int]:
             plan = solve(env)
             lengths.append(len(plan) if plan is not None else -1)
         else:
-            lengths.append(len(_path(env.size, env.holes, env.start, env.goal)) - 1)
+            lengths.append(len(shortest_path(env)))
     return lengths
 
 

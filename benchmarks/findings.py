@@ -13,13 +13,13 @@ episodes counted, to half its best, see ``ragen_pl.callbacks.EchoTrapAlarm``; re
 table rebuilt with ``--from-runs`` uses the alarm's current rule), beside what the paper found. It writes the
 ``ragen-pl report`` figures of each comparison (baseline against the variants) under ``--out``.
 
-    python benchmarks/findings.py [--seeds 0 1 2] [--steps 20] [--out runs/findings]
-    python benchmarks/findings.py --quick     # a smoke test: 1 seed, 2 conditions, 2 iterations
-    python benchmarks/findings.py --from-runs # the table and figures again, from the runs under --out
-    python benchmarks/findings.py --grid collapse --from-csv tests/data/echo_trap/heldout tests/data/collapse_grid \
+    python -m benchmarks.findings [--seeds 0 1 2] [--steps 20] [--out runs/findings]
+    python -m benchmarks.findings --quick     # a smoke test: 1 seed, 2 conditions, 2 iterations
+    python -m benchmarks.findings --from-runs # the table and figures again, from the runs under --out
+    python -m benchmarks.findings --grid collapse --from-csv tests/data/echo_trap/heldout tests/data/collapse_grid \
         --seeds 9 10 11
         # the table of the collapse grid's runs kept in the repository
-    python benchmarks/findings.py --grid collapse [--conditions NAME ...] [ragen-pl fit flags, e.g.
+    python -m benchmarks.findings --grid collapse [--conditions NAME ...] [ragen-pl fit flags, e.g.
         --model.optim.actor_lr=2e-3]      # the setting where PPO collapses; fit flags come last and override
 
 The full grid (7 conditions x 3 seeds x 20 iterations) takes about 40 minutes on the 2-core dev machine.
@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from learning_seeds import ROOT, eval_success, fit_seed  # noqa: E402
+from benchmarks.learning_seeds import ROOT, eval_success, fit_seed
 
 BASE = "PPO (StarPO-S)"
 #: condition -> (flags on top of the quickstart, the paper's finding it mirrors)
@@ -64,7 +61,7 @@ COLLAPSE_LR = 3e-3
 without the filter: at 1e-3 and 2e-3 60 iterations learn both envs (Bandit dips to 0.6 and recovers), at 5e-3 both
 envs fall to 0 at iteration 2 (entropy rising to 1.4: divergence, not the Echo Trap), at 3e-3 Bandit reaches 1.00,
 its entropy falls from 0.55 to 0.12 over 15 iterations and then success drops to 0.00 at iteration 20. The search,
-one rate at a time: ``python benchmarks/findings.py --grid collapse --conditions "PPO, no filter" --seeds 0
+one rate at a time: ``python -m benchmarks.findings --grid collapse --conditions "PPO, no filter" --seeds 0
 --steps 60 --model.optim.actor_lr=2e-3 --out runs/lr-2e-3``."""
 MEASURED_WITH = ["--model.ppo.entropy_coeff=0.001"]
 """The quickstart's entropy bonus when both grids' tables were measured (2026-11-30, 12-02); the quickstart has none

@@ -1,6 +1,6 @@
 """ragen-pl against TRL on the same problem: SmolLM2-135M-Instruct on RAGEN's Bandit, CPU (issue 12).
 
-    python benchmarks/vs_trl.py [--steps 10] [--eval-every 2] [--scale none|group] [--only trl grpo ppo]
+    python -m benchmarks.vs_trl [--steps 10] [--eval-every 2] [--scale none|group] [--only trl grpo ppo]
 
 Three trainers, one after the other, in one run, each from the same format warm start
 (``ragen-pl/smollm2-135m-warm-bandit``), on the same prompts (the chat template's text up to the ``<answer>`` the
@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from smollm2_bandit import CONFIG, GOAL, curve, evaluate, first_at_goal, read_metrics, rollout_config  # noqa: E402
+from benchmarks.smollm2_bandit import (
+    CONFIG,
+    GOAL,
+    curve,
+    evaluate,
+    first_at_goal,
+    read_metrics,
+    rollout_config,
+)
 
 WARM = "ragen-pl/smollm2-135m-warm-bandit"
 PROMPTS, ANSWERS = 8, 4

@@ -81,11 +81,7 @@ def play_turns(engine, tok, first: list[list[int]], replies: list[str], static: 
 
 
 def import_benchmark(monkeypatch, name: str):
-    """A fresh import of ``benchmarks/<name>.py`` (the folder on ``sys.path`` for this test only)."""
+    """``benchmarks/<name>.py`` as the module ``benchmarks.<name>``."""
     import importlib
-    import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    sys.modules.pop(name, None)
-    return importlib.import_module(name)
+    return importlib.import_module(f"benchmarks.{name}")

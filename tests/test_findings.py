@@ -1,6 +1,5 @@
-"""`benchmarks/findings.py --quick`: the findings grid's plumbing end to end (runs, table, report figures)."""
+"""`python -m benchmarks.findings --quick`: the findings grid's plumbing end to end (runs, table, report figures)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_findings_quick(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("findings", None)
-    import findings
+    import benchmarks.findings as findings
 
     results = findings.main(["--quick", "--out", str(tmp_path)])
     assert set(results) == {findings.BASE, "GRPO"}
@@ -30,9 +27,7 @@ def test_findings_quick(tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_collapse_grid_quick(tmp_path, capsys, monkeypatch):
     """`--grid collapse --quick`: the collapse setting's runs log I(X;Z), and the table reads it beside reward std."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("findings", None)
-    import findings
+    import benchmarks.findings as findings
 
     results = findings.main(["--grid", "collapse", "--quick", "--out", str(tmp_path)])
     assert set(results) == set(findings.GRIDS["collapse"].quick)
@@ -48,8 +43,7 @@ def test_collapse_grid_quick(tmp_path, capsys, monkeypatch):
 
 
 def test_collapse_iteration(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from findings import collapse_iteration
+    from benchmarks.findings import collapse_iteration
 
     # 2-iteration means 0.6, 0.6, 0.35, 0.05, 0, 0: at most half the best (0.6) from the 4th iteration to the end
     assert collapse_iteration([0.6, 0.6, 0.1, 0.0, 0.0, 0.0]) == 4
@@ -60,16 +54,14 @@ def test_collapse_iteration(monkeypatch):
 
 
 def test_count_at(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from findings import count_at
+    from benchmarks.findings import count_at
 
     assert count_at([21, None, 3]) == "2 of 3 (at 21, -, 3)"  # in the seeds' order, so columns line up
     assert count_at([None, None]) == "0 of 2"
 
 
 def test_halved_from_start(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from findings import halved_from_start
+    from benchmarks.findings import halved_from_start
 
     # 2-iteration means after the first: 0.5, 0.35, 0.25 -> at most 0.6 / 2 at the 4th iteration
     assert halved_from_start([0.6, 0.4, 0.3, 0.2]) == 4
@@ -80,9 +72,7 @@ def test_halved_from_start(monkeypatch):
 def test_fit_flags_pass_through(tmp_path, monkeypatch):
     """Flags findings.py does not know go to every run's `ragen-pl fit`, after the grid's and the condition's own
     (so they override both); with --from-runs, which trains nothing, they are refused."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("findings", None)
-    import findings
+    import benchmarks.findings as findings
 
     seen = []
 
@@ -108,9 +98,7 @@ def test_fit_flags_pass_through(tmp_path, monkeypatch):
 def test_from_csv_tables_the_recorded_collapse_runs(capsys, monkeypatch):
     """`--grid collapse --from-csv`: the table of the runs kept in the repository, reward std beside entropy; a
     condition or seed with no record, or fit flags, refused in one line."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("findings", None)
-    import findings
+    import benchmarks.findings as findings
 
     data = ROOT / "tests" / "data" / "echo_trap" / "heldout"
     grid = ROOT / "tests" / "data" / "collapse_grid"

@@ -1,17 +1,12 @@
 """benchmarks/vs_trl.py gives TRL the prompts and rewards ragen-pl's collector uses (its fairness claim)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks.smollm2_bandit import rollout_config
+from benchmarks.vs_trl import bandit_prompt, bandit_reward
 from ragen_pl.envs.bandit import Bandit
 from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from tests.rollout.test_collector import Recording, Scripted
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from smollm2_bandit import rollout_config  # noqa: E402
-from vs_trl import bandit_prompt, bandit_reward  # noqa: E402
 
 
 @pytest.mark.parametrize("answer", ["Dragon</answer>", " Phoenix </answer>", "Dragon", "Unicorn</answer>",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ragen_pl.dist import is_sharded, process_rank
+from ragen_pl.dist import is_sharded, max_over_processes, process_rank
 from ragen_pl.rollout.engine import Generation, RolloutEngine, SamplingParams
 from ragen_pl.rollout.prefix import PrefixCache, kept_past, left_padded, shared_prefix
 from ragen_pl.rollout.sampling import Outputs, sample_next, truncates
@@ -158,12 +158,6 @@ class HFEngine(RolloutEngine):
             return self.sync_ranks
         return dist.is_available() and dist.is_initialized() and is_sharded(model)
 
-    def _max_over_ranks(self, value: int | bool, device: torch.device) -> int:
-        """The largest ``value`` of any rank (of a flag: whether any rank's is true)."""
-        t = torch.tensor([int(value)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
     def next_call_extends(self, extends: bool) -> None:
         self._extends = extends
 
@@ -183,7 +177,7 @@ class HFEngine(RolloutEngine):
         size = self.max_batch or max(1, len(prompts))
         chunks = -(-len(prompts) // size)
         if sync and self.max_batch is not None:  # every rank runs as many chunks (each forward is collective)
-            chunks = self._max_over_ranks(chunks, device)
+            chunks = max_over_processes(chunks, device)
         if chunks <= 1:
             return self._generate_batch(model, tok, prompts, params, device, sync)
         hits = self.prefix.take(prompts) if self.prefix is not None else None  # once; each chunk gets its own
@@ -330,7 +324,7 @@ class HFEngine(RolloutEngine):
 
         n = len(prompts)
         generator = self._generator(device)
-        if sync and not self._max_over_ranks(n > 0, device):
+        if sync and not max_over_processes(int(n > 0), device):
             return []
         out = Outputs(n, tok, params)
         rows = list(range(n))  # prompt index of each live row
@@ -372,7 +366,7 @@ class HFEngine(RolloutEngine):
                         ids, attention, next_pos = ids[index], attention[index], next_pos[index]
             local_live = bool(rows)  # rows is empty after the last step: every row is done then
             # Every rank does one all-reduce and one forward per step, so sharded forwards stay in lockstep.
-            if not (self._max_over_ranks(local_live, device) if sync else local_live):
+            if not (max_over_processes(int(local_live), device) if sync else local_live):
                 break
             if not local_live:
                 self._dummy_forward(model, device)
