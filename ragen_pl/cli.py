@@ -17,6 +17,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ragen_pl import registry
 
@@ -94,7 +95,7 @@ def install_entry_name_resolver() -> None:
                     return f"{info.cls.__module__}.{info.cls.__qualname__}"
             resolved = original(cls, name)
             if "." not in resolved:  # neither an entry name nor a known class name: list the valid ones
-                from ragen_pl.lightning_cli import did_you_mean
+                from ragen_pl.cli_parser import did_you_mean
 
                 names = sorted(n for g in groups for n in registry.load_plugins()[g])
                 raise ValueError(f"'{name}' not found in {', '.join(groups)}. Available: {', '.join(names)}."
@@ -130,18 +131,38 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demos(args: argparse.Namespace) -> int:
+def _demo_layout(args: argparse.Namespace):
+    """The envs and rollout layout of ``ragen-pl demos``: a training config's ``data.env`` and ``data.rollout`` (so the
+    warm start is taught the prompts that run will feed), or ``--env`` with ``--max-turns`` / ``--max-new-tokens``."""
     from ragen_pl.config import RolloutConfig
+
+    if args.config is None:
+        envs = [registry.resolve("envs", name) for name in args.env]
+        return envs, RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    import yaml
+
+    try:
+        data = (yaml.safe_load(Path(args.config).read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {args.config}: {err}") from err
+    specs = data.get("env")
+    if not specs:
+        raise ValueError(f"--config {args.config}: no data.env to play")
+    specs = [{"class_path": s} if isinstance(s, str) else s for s in (specs if isinstance(specs, list) else [specs])]
+    envs = [registry.resolve("envs", s["class_path"], **(s.get("init_args") or {})) for s in specs]
+    return envs, RolloutConfig(**(data.get("rollout") or {}))
+
+
+def _cmd_demos(args: argparse.Namespace) -> int:
     from ragen_pl.sft import demonstrations, write_jsonl
 
     try:
-        envs = [registry.resolve("envs", name) for name in args.env]
-        config = RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
-        records = demonstrations(envs, args.episodes, config, seed=args.seed)
+        envs, config = _demo_layout(args)
+        records = demonstrations(envs, args.episodes, config, seed=args.seed, play=args.play)
     except (registry.PluginLoadError, ValueError, TypeError) as err:
         raise SystemExit(f"error: {err}") from None
     write_jsonl(records, args.out)
-    print(f"wrote {len(records)} trajectories of random legal play to {args.out}")
+    print(f"wrote {len(records)} trajectories of {args.play} play to {args.out}")
     return 0
 
 
@@ -196,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sft)
     p = sub.add_parser("demos", help="write SFT trajectories of random legal play (format without skill)")
+    p.add_argument("--config", default=None, help="a training config: play its data.env in its data.rollout layout "
+                   "(the prompts that run will feed); --env, --max-turns and --max-new-tokens are then ignored")
+    p.add_argument("--play", choices=["random", "effective"], default="random",
+                   help="random legal actions, or random among those that change the state (Env.effective_actions)")
     p.add_argument("--env", nargs="+", default=["sokoban"], help="entry names of the envs")
     p.add_argument("--episodes", type=int, default=100, help="episodes per env")
     p.add_argument("--max-turns", type=int, default=3)

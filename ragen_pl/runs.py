@@ -100,4 +100,12 @@ def run_chain(folder: str | os.PathLike, limit: int = 100) -> list[Path]:
     return chain
 
 
-__all__ = ["claim_version", "lock_run_folder", "run_chain", "run_folder_of_checkpoint", "write_run_info"]
+__all__ = ["claim_version", "launching_rank", "lock_run_folder", "run_chain", "run_folder_of_checkpoint",
+           "write_run_info"]
+
+
+def launching_rank() -> bool:
+    """Whether this process is global rank 0 (or the process that will launch the others)."""
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    return (_get_rank() or 0) == 0

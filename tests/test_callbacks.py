@@ -183,6 +183,47 @@ def test_step0_validation_and_samples(tiny_model_path, tmp_path):
     assert lines[0]["transcript"][0]["role"] == "env" and "Trader" in json.dumps(lines[3]["transcript"])
 
 
+def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
+    """The closing table: per evaluation env the step-0 success, the best and the last evaluation with their steps,
+    and the random policy on the same seeds (Bandit: one random arm of two; the high-risk arm is a success)."""
+    import logging
+
+    from ragen_pl.baselines import random_success
+    from ragen_pl.callbacks import RunSummary
+
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=8,
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6, max_actions_per_episode=1))
+    trainer = pl.Trainer(max_steps=2, val_check_interval=1, check_val_every_n_epoch=None, logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                         callbacks=[ValidateAtStart(), RunSummary()])
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, dm)
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Evaluation success"))
+    lines = summary.splitlines()
+    assert lines[0] == "Evaluation success (8 fixed seeds per env, temperature 0.5):"
+    assert lines[1].split() == ["env", "step", "0", "best", "(step)", "last", "(step)", "random", "policy"]
+    row = lines[2].split()
+    history = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary)).history["Bandit"]
+    assert [step for step, _ in history] == [0, 1, 2]  # the step-0 evaluation, then one after each update
+    best = max(history, key=lambda p: p[1])
+    assert row[0] == "Bandit" and float(row[1]) == pytest.approx(history[0][1], abs=5e-4)
+    assert row[2:6] == [f"{best[1]:.3f}", f"({best[0]})", f"{history[-1][1]:.3f}", f"({history[-1][0]})"]
+    assert float(row[6]) == pytest.approx(random_success(Bandit(), range(1_000_000, 1_000_008), 1), abs=5e-4)
+    assert lines[-1].startswith("Run folder: ")
+
+
+def test_random_success_by_hand():
+    """Bandit with one action: a random arm of two, so about half the plays choose the high-risk arm; a free-text env
+    has no random policy here."""
+    from ragen_pl.baselines import random_success
+    from ragen_pl.envs.countdown import Countdown
+
+    share = random_success(Bandit(), range(200), budget=1, repeats=5)
+    assert 0.43 < share < 0.57  # 1,000 fair coin flips: 3.5 standard deviations either side
+    assert random_success(Countdown(), range(3), budget=1) is None
+
+
 class Replay(pl.Callback):
     """Puts one row of a recorded trace into the metrics after each step, as if this run had logged it."""
 
@@ -336,8 +377,7 @@ def test_other_loggers(kind, tiny_model_path, tmp_path, monkeypatch):
 
 def test_echo_trap_benchmark(monkeypatch, capsys):
     """benchmarks/echo_trap.py: its ground truth by hand, and its tables on the recorded and simulated runs."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import echo_trap
+    import benchmarks.echo_trap as echo_trap
 
     # Best trailing 3-step mean before step 3: (0.4 + 0.5 + 0.6) / 3 = 0.5; steps 3-5 average 0.2 < 0.25.
     assert echo_trap.halving([0.4, 0.5, 0.6, 0.3, 0.2, 0.1, 0.6]) == 3

@@ -1,7 +1,9 @@
 """The embedded tiny model: built offline, saved and loaded through the hub code path, tokenizer round trip."""
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,3 +156,26 @@ def test_a_cached_warm_start_is_built_with_the_same_threads_whoever_builds_it(tm
     with pytest.raises(RuntimeError), build_threads():
         raise RuntimeError("a failed build")
     assert torch.get_num_threads() == before
+
+
+def test_demos_of_a_config_are_taught_in_its_rollout_layout(tmp_path, capsys):
+    """`ragen-pl demos --config C` plays C's envs in C's rollout layout: the prompts a run of C feeds (here the SmolLM2
+    Bandit config: answer-only, one action); --play effective plays effective moves; a missing config is one line."""
+    import yaml
+
+    from ragen_pl.cli import main
+    from ragen_pl.config import RolloutConfig
+    from ragen_pl.rollout.prompt import format_instruction
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "smollm2-bandit.yaml"
+    out = tmp_path / "demos.jsonl"
+    assert main(["demos", "--config", str(config), "--episodes", "4", "--out", str(out)]) == 0
+    assert "wrote 4 trajectories of random play" in capsys.readouterr().out
+    rollout = RolloutConfig(**yaml.safe_load(config.read_text())["data"]["rollout"])
+    records = read_jsonl(out)
+    assert all(r["think"] is False and len(r["turns"]) == 1 for r in records)
+    fmt = format_instruction(rollout.think, rollout.max_actions_per_turn, rollout.max_new_tokens)
+    assert all(fmt in r["turns"][0]["user"] for r in records)
+    assert {r["turns"][0]["assistant"] for r in records} <= {"Phoenix</answer>", "Dragon</answer>"}
+    with pytest.raises(SystemExit, match=r"^error: --config .*nothing\.yaml: \[Errno 2\]"):
+        main(["demos", "--config", str(tmp_path / "nothing.yaml"), "--out", str(out)])

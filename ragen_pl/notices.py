@@ -1,0 +1,47 @@
+"""What a run says at its start besides its progress: one-line warnings for a setup that runs but poorly (a warm start
+taught another prompt layout, bf16 on a CPU without bf16 instructions), and nothing of Lightning's advertisements."""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["hide_lightning_tips", "warn_slow_precision", "warn_warm_layout"]
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertisements ("💡 Tip: ... litlogger / litmodels") from a run's output."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("\N{ELECTRIC LIGHT BULB} Tip")
+
+
+def hide_lightning_tips() -> None:
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in logger.filters):
+        logger.addFilter(_NoTips())
+
+
+def warn_warm_layout(model, datamodule) -> None:
+    """A SmolLM2 warm start run in a prompt layout it was not taught (another turn header, window or action budget)
+    still runs, but reads prompts it never saw: say so in one line."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from ragen_pl.models.smollm2 import warm_layout_mismatch
+
+    name, rollout = getattr(model, "hparams", {}).get("model"), getattr(datamodule, "rollout_config", None)
+    problem = warm_layout_mismatch(name, rollout) if isinstance(name, str) and rollout is not None else None
+    if problem:
+        rank_zero_warn(problem)
+
+
+def warn_slow_precision(trainer) -> None:
+    """bf16 on a CPU without bf16 instructions runs, but several times slower than float32: say so in one line."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from ragen_pl.hardware import cpu_has_native_bf16
+
+    precision = str(trainer.precision)
+    if isinstance(trainer.accelerator, CPUAccelerator) and precision.startswith("bf16") and not cpu_has_native_bf16():
+        rank_zero_warn(f"`--trainer.precision={precision}` on a CPU without bf16 instructions (avx512_bf16, "
+                       f"amx_bf16) runs several times slower than float32 here; drop it (32-true) on this machine")
