@@ -145,13 +145,26 @@ def judge(name: str, run: list[dict[str, float]], make=EchoTrapAlarm, replayed: 
     return rows
 
 
+CATCH_WINDOW = (-5, 10)
+"""An alarm catches a collapse only if it fires from 5 steps before the collapse's onset (the halving step) to 10 after
+it. One that fired earlier fired on something else (an earlier dip): the collapse it missed is not counted caught."""
+
+
+def caught(alarm: int | None, onset: int) -> bool:
+    """Whether an alarm at ``alarm`` catches a collapse that began at ``onset`` (:data:`CATCH_WINDOW`)."""
+    return alarm is not None and CATCH_WINDOW[0] <= alarm - onset <= CATCH_WINDOW[1]
+
+
 def _tally(rows: list[Row], truth: int) -> str:
     collapsed = [r for r in rows if r[truth] is not None]
-    caught = [r for r in collapsed if r[4] is not None]
+    hits = [r for r in collapsed if caught(r[4], r[truth])]
+    outside = [r for r in collapsed if r[4] is not None and not caught(r[4], r[truth])]
     false = [r for r in rows if r[truth] is None and r[4] is not None]
-    delays = sorted(r[4] - r[truth] for r in caught)
+    delays = sorted(r[4] - r[truth] for r in hits)
     delay = f"delay {delays[0]:+d} to {delays[-1]:+d} steps" if delays else "no delay measured"
-    return f"caught {len(caught)}/{len(collapsed)} ({delay}); false alarms {len(false)}/{len(rows) - len(collapsed)}"
+    elsewhere = f", {len(outside)} more fired outside the window" if outside else ""
+    return (f"caught {len(hits)}/{len(collapsed)} within {CATCH_WINDOW[0]:+d}..{CATCH_WINDOW[1]:+d} steps of the onset "
+            f"({delay}{elsewhere}); false alarms {len(false)}/{len(rows) - len(collapsed)}")
 
 
 def summary(rows: list[Row]) -> str:
@@ -168,8 +181,10 @@ def print_table(title: str, rows: list[Row]) -> None:
     for name, tag, halved, lasting, alarm, seen in rows:
         if halved is None:
             verdict = "false alarm" if alarm is not None else "quiet, no collapse"
+        elif alarm is None:
+            verdict = "missed"
         else:
-            verdict = f"caught, delay {alarm - halved:+d}" if alarm is not None else "missed"
+            verdict = f"{'caught' if caught(alarm, halved) else 'outside window'}, delay {alarm - halved:+d}"
         print(f"{name:<{width}}{tag or '-':<18}{dash(halved):>10}{dash(lasting):>11}{dash(alarm):>10}  {verdict:<20}  "
               f"{seen}")
     print(summary(rows))

@@ -13,11 +13,13 @@ the model has the Qwen2.5-0.5B shape with random weights, built locally with the
 3. The paper's shape (``--paper``): 8 groups x 16 trajectories, up to 5 turns of up to 400 tokens (random weights
    rarely close an answer, so turns run to their limit: worst-case lengths), one GPU, bf16.
 
-MFU counts what the update computes: 6 x the trunk's parameters (embeddings and LM head excluded) x the positions its
-forwards ran over (``throughput/update_positions``: padding included, a shared prompt prefix once), plus 6 x the LM
-head's parameters x the tokens it scored (``throughput/update_scored_tokens``), plus the critic's trunk (no LM head)
-over the same positions; divided by ``time/update`` and the GPU's dense bf16 peak. Attention's quadratic FLOPs are
-not counted. A GPU not in ``PEAKS`` needs ``--peak-tflops``.
+MFU counts hardware FLOPs: what the update computes, both terms on the positions computed. 6 x the trunk's parameters
+(embeddings and LM head excluded) x the positions its forwards ran over (``throughput/update_positions``: padding
+included, a shared prompt prefix once), plus 6 x the LM head's parameters x the positions the head computed logits at
+(``throughput/update_head_positions``: every row at each column some row scores, padding included, more than the
+scored tokens), plus the critic's trunk (no LM head) over the trunk's positions; divided by ``time/update`` (timed
+between CUDA synchronizes) and the GPU's dense bf16 peak. Attention's quadratic FLOPs are not counted. The peak is
+looked up by the device's exact name (``PEAKS``); any other GPU needs ``--peak-tflops``.
 
     python benchmarks/gpu_check.py [--steps 3] [--work /tmp/ragen-pl-gpu-check] [--shape qwen2.5-0.5b|tiny]
 
@@ -45,8 +47,26 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1),
 }
-# Dense bf16 tensor-core peaks (FLOP/s); any other device needs --peak-tflops.
-PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+# Dense bf16 tensor-core peaks (FLOP/s, without sparsity) by the exact name torch.cuda.get_device_name() reports:
+# a substring would give an H100 PCIe or NVL the SXM part's peak, and an "RTX A1000" the A100's. Any other device needs
+# --peak-tflops.
+PEAKS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+}
+
+
+def peak_flops(name: str, peak_tflops: float | None) -> float | None:
+    """The dense bf16 peak of device ``name``: ``--peak-tflops`` if given, else its exact entry in ``PEAKS`` (None
+    for a device not listed)."""
+    return peak_tflops * 1e12 if peak_tflops else PEAKS.get(name)
 
 
 def parameter_counts(path: Path) -> dict[str, int]:
@@ -65,9 +85,10 @@ def parameter_counts(path: Path) -> dict[str, int]:
 
 
 def update_flops(row: dict[str, str], counts: dict[str, int], critic: bool) -> float:
+    """Hardware FLOPs of one update: trunk and head, each on the positions it computed (see the module docstring)."""
     positions = float(row["throughput/update_positions"])
-    scored = float(row["throughput/update_scored_tokens"])
-    return 6 * counts["trunk"] * positions * (2 if critic else 1) + 6 * counts["head"] * scored
+    head_positions = float(row["throughput/update_head_positions"])
+    return 6 * counts["trunk"] * positions * (2 if critic else 1) + 6 * counts["head"] * head_positions
 
 
 def build_model(work: Path, shape: str) -> Path:
@@ -228,10 +249,11 @@ def main() -> None:
     counts = parameter_counts(path)
     n_params = counts["trunk"] + counts["head"]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else next((v for k, v in PEAKS.items() if k in name), None)
+    peak = peak_flops(name, args.peak_tflops)
     if peak is None:
         if device == "cuda":
-            raise SystemExit(f"error: no dense bf16 peak known for {name!r}: give it with --peak-tflops")
+            raise SystemExit(f"error: no dense bf16 peak known for {name!r} (known: {', '.join(PEAKS)}): give it "
+                             f"with --peak-tflops")
         peak = float("nan")  # the CPU smoke test prints no MFU
     import lightning
     import transformers

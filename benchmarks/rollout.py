@@ -5,8 +5,11 @@ Part 1 plays 128 Sokoban trajectories (8 groups x 16) with the tiny model and pr
 only the env's message is prefilled. Both sample the same tokens (the engine's seed is the same).
 Part 2 measures tokens/s of the ``hf`` engine and of a bare ``model.generate`` call on the same batch of prompts,
 side by side, alternating, several repeats (the machine is shared and noisy: compare the medians), twice: on the
-rollout's prompts cut to 200 tokens (a group's 16 share one, so the engine's prefill-once of identical prompts is
-part of its gain) and on one distinct prompt per trajectory (the decode loop alone). Both sample with
+rollout's prompts cut to 200 tokens (a group's 16 share one, so the engine's prefill-once of identical prompts and of
+their common prefix is part of its gain) and on one distinct prompt per trajectory with the engine's prefix sharing
+off (``share_prefix=False``: the system message and the rules every prompt starts with are prefilled for each row, as
+bare generate does, so the comparison is the prefill and decode loop alone; the printout says how many leading
+tokens the prompts share). Both sample with
 a KV cache and left padding; ``min_new_tokens`` makes both produce the same number of tokens. Target: the engine
 reaches at least 90% of bare generate's tokens/s. With ``--vllm`` (and vLLM installed) the vLLM engine is timed too.
 
@@ -77,12 +80,19 @@ def main() -> None:
     grouped = [list(ep.chat.ids)[:200] for ep in result.episodes][: args.trajectories]
     distinct_specs = [EpisodeSpec(Sokoban(), seed=10_000 + i, group_id=i) for i in range(len(grouped))]
     distinct = [list(ep.chat.ids)[:200] for ep in Collector(engine, tok, config).collect(distinct_specs).episodes]
+    unshared = HFEngine(seed=0, share_prefix=False)  # every row prefilled whole, as bare generate does
+    unshared.bind(model, tok)
     ratios = {}
-    for label, prompts in ((f"{len({tuple(p) for p in grouped})} distinct of {len(grouped)}", grouped),
-                           (f"{len({tuple(p) for p in distinct})} distinct of {len(distinct)}", distinct)):
-        ratios[label] = compare(engine, model, tok, prompts, args)
-    print("\nengine / model.generate: " + ", ".join(f"{r:.2f} with {label} prompts" for label, r in ratios.items())
-          + " (the gap between the two is the prefill of identical prompts done once)")
+    for label, prompts, eng in (
+            (f"{len({tuple(p) for p in grouped})} distinct of {len(grouped)}, prefix sharing on", grouped, engine),
+            (f"{len({tuple(p) for p in distinct})} distinct of {len(distinct)}, prefix sharing off", distinct,
+             unshared)):
+        shared = common_prefix(prompts)
+        print(f"\n{label}: the prompts share their first {shared} of {max(len(p) for p in prompts)} tokens")
+        ratios[label] = compare(eng, model, tok, prompts, args)
+    print("\nengine / model.generate: " + "; ".join(f"{r:.2f} ({label})" for label, r in ratios.items())
+          + ". The second is the prefill and decode loop alone; the first adds the prefill of identical prompts and "
+          "of their common prefix done once")
     if args.vllm:
         from ragen_pl.rollout.vllm import VLLMEngine
 
@@ -94,6 +104,16 @@ def main() -> None:
         gens = v.generate(distinct, params)
         rate = sum(len(g.token_ids) for g in gens) / (time.perf_counter() - s)
         print(f"  vllm engine      {rate:10.0f} tokens/s (distinct prompts)")
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares."""
+    n = 0
+    for column in zip(*prompts):
+        if len(set(column)) > 1:
+            break
+        n += 1
+    return n
 
 
 def compare(engine, model, tok, prompts: list[list[int]], args: argparse.Namespace) -> float:

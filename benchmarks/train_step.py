@@ -9,8 +9,9 @@ the update's tokens/s beside a plain transformers loop on the same rows.
    (SmolLM2's FrozenLake warm start, in the layout it was taught), then one update over it two ways, side by side,
    in fp32 and in bf16 autocast (``--precisions``): ragen-pl's
    ``StarPOUpdate`` (LM head on scored positions only, length-grouped micro-batches; the shared prompt prefix once,
-   the default, or the rows packed without padding, ``--model.ppo.pack``) and a plain loop (micro-batches in order padded to the batch's longest row, full logits, float32 log-softmax over
-   every position, the same PPO surrogate and AdamW step). Goal: >= 1.5x the plain loop's tokens/s. Then the peak
+   the default, or the rows packed without padding, ``--model.ppo.pack``) and a plain loop (micro-batches in order, full logits, float32 log-softmax over
+   every position, the same PPO surrogate and AdamW step; each micro-batch cut to its own longest row, as a collator
+   pads). Goal: >= 1.5x the plain loop's tokens/s. Then the peak
    memory of log-probs and entropy (forward and backward) over 4,096 scored tokens of SmolLM2's 49,152-token
    vocabulary, computed the plain way (float32 copies kept for backward) and by ``ragen_pl.scoring.token_stats``
    (a float32 chunk at a time), each in its own process.
@@ -136,18 +137,20 @@ def smollm2_rollout(n: int = 32):
 
 
 def plain_update(model, batch, opt, micro: int) -> None:
-    """What a straightforward transformers loop does: full logits, float32 log-softmax everywhere, padded rows."""
+    """What a straightforward transformers loop does: micro-batches in order, each padded to its own longest row (as
+    a collator pads each batch), full logits, float32 log-softmax over every position."""
     n = len(batch)
-    mask = batch.loss_mask[:, 1:]
-    count = mask.sum()
+    count = batch.loss_mask[:, 1:].sum()
     opt.zero_grad(set_to_none=True)
     for start in range(0, n, micro):
         rows = slice(start, start + micro)
-        logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows]).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[rows, 1:, None]).squeeze(-1)
+        T = int(batch.attention_mask[rows].sum(-1).max())  # this micro-batch's longest row
+        ids, attn, mask = batch.input_ids[rows, :T], batch.attention_mask[rows, :T], batch.loss_mask[rows, 1:T]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())
-        adv = batch.advantages[rows, 1:]
-        loss = torch.where(mask[rows], -adv * ratio, 0.0).sum() / count
+        adv = batch.advantages[rows, 1:T]
+        loss = torch.where(mask, -adv * ratio, 0.0).sum() / count
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -7,6 +7,7 @@ fixed evaluation seeds, so the run's summary can print it beside the model's suc
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Iterable
 
@@ -17,18 +18,24 @@ __all__ = ["random_success"]
 
 def random_success(env: Env, seeds: Iterable[int], budget: int, repeats: int = 4, seed: int = 0) -> float | None:
     """The share of episodes uniformly random actions succeed in, ``repeats`` plays of each of ``seeds``, each at most
-    ``budget`` actions (the rollout's ``max_actions_per_episode``). None for a free-text env (no action list)."""
+    ``budget`` actions (the rollout's ``max_actions_per_episode``), on a copy of ``env``. An episode whose env raises
+    is left out, as the rollout leaves out a failed episode. None for a free-text env (no action list), or when no
+    episode could be played."""
     if env.actions is None:
         return None
+    env = copy.deepcopy(env)
     rng, wins, plays = random.Random(seed), 0, 0
     for s in seeds:
         for _ in range(repeats):
-            env.reset(s)
-            success = False
-            for _ in range(budget):
-                _, _, done, info = env.step(rng.choice(env.actions))
-                success = success or bool(info.get("success"))
-                if done:
-                    break
+            try:
+                env.reset(s)
+                success = False
+                for _ in range(budget):
+                    _, _, done, info = env.step(rng.choice(env.actions))
+                    success = success or bool(info.get("success"))
+                    if done:
+                        break
+            except Exception:  # noqa: BLE001 - the env's own failure: not a play of the random policy
+                continue
             wins, plays = wins + success, plays + 1
     return wins / plays if plays else None

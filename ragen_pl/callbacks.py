@@ -58,9 +58,13 @@ class ValidateAtStart(Callback):
                 metrics.update({k: float(v) for k, v in dm.evaluate(env, "val").items()})
         pl_module.train(was_training)
         metrics = mean_over_ranks(metrics, {}, default_weight=len(dm.eval_seeds()))  # every rank's episodes
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=0)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=0)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        for cb in trainer.callbacks:  # the baseline's trajectories, as every later evaluation's
+            if isinstance(cb, TrajectorySamples):
+                cb.write(trainer)
 
 
 class TrajectorySamples(Callback):
@@ -80,6 +84,10 @@ class TrajectorySamples(Callback):
 
     @override
     def on_validation_end(self, trainer, pl_module) -> None:
+        self.write(trainer)
+
+    def write(self, trainer) -> None:
+        """The latest evaluation's samples at this step (``step_<global step>.jsonl``: the weights evaluated)."""
         # Every rank asks: `trainer.log_dir` is a broadcast, so asking on rank 0 alone hangs a multi-process run.
         root = Path(trainer.log_dir or trainer.default_root_dir)
         results = getattr(_datamodule(trainer), "eval_results", {})
@@ -209,7 +217,11 @@ class RagenProgressBar(TQDMProgressBar):
     @override
     def get_metrics(self, trainer, pl_module) -> dict[str, int | str | float | dict[str, float]]:
         metrics = trainer.callback_metrics
-        return {short: f"{float(metrics[key]):.3g}" for key, short in self.SHOWN.items() if key in metrics}
+        shown = {short: f"{float(metrics[key]):.3g}" for key, short in self.SHOWN.items() if key in metrics}
+        failed, played = metrics.get("rollout/failed"), metrics.get("rollout/played")
+        if failed is not None and played is not None and float(failed) > 0:  # episodes whose env failed, of all
+            shown["failed"] = f"{int(failed)}/{int(played)}"
+        return shown
 
 
 def default_callbacks() -> list[Callback]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ragen_pl.errors import ConfigError
@@ -154,12 +155,35 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer, pl_module) -> None:
         super().on_train_end(trainer, pl_module)
-        if trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
+        self._save_now(trainer)
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A stop signal, or a rollout stopped by its failed-episode ceiling: save the last completed iteration before
+        the run ends (a rollout under way is undone first: the checkpoint resumes with it). On several processes the
+        ranks may stop at different points, so only the periodic checkpoints stand there."""
+        from ragen_pl.errors import RolloutError
+        from ragen_pl.signals import Terminated
+
+        if not isinstance(exception, (Terminated, RolloutError)) or trainer.world_size > 1:
             return
+        dm = getattr(trainer, "datamodule", None)
+        if hasattr(dm, "rewind_unfinished_rollout"):
+            dm.rewind_unfinished_rollout(trainer.global_step)
+        if self._save_now(trainer):
+            rank_zero_info(f"saved {self.last_model_path} at iteration {trainer.global_step} (resume with "
+                           f"--ckpt_path={self.last_model_path})")
+
+    def _save_now(self, trainer) -> bool:
+        """Save ``last`` (and a top-k copy) at this step unless it is saved already or nothing trained; whether it
+        saved."""
+        if trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
+            return False
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
         self._last_global_step_saved = trainer.global_step
+        return True
 
 
 def find_last(root: str | os.PathLike) -> Path | None:

@@ -75,7 +75,7 @@ def _short_message(message: str, parser) -> str:
     if unknown:
         flags = unknown.group(1).split()
         first = flags[0].split("=")[0]
-        options = [o for o in parser._option_string_actions if o.startswith("--")]
+        options = [o for o in parser._option_string_actions if o.startswith("--")] + nested_flags()
         return f"unrecognized argument {unknown.group(1)!r}.{did_you_mean(first, options)}"
     ours = own_reason(message)
     if ours is not None:  # a config object's own sentence names the full flag already
@@ -97,12 +97,30 @@ def _short_message(message: str, parser) -> str:
         after = keys[-1][0] + 1 if keys else 0
         reason = re.sub(r'^Parser key "[^"]+":\s*', "", lines[after] if after < len(lines) else lines[-1])
     reason = re.sub(r"<class '([\w.]+)'>", r"\1", reason)
+    not_finite = re.match(r"Expected a float\. Got value: ([+-]?(?:nan|inf|infinity))$", reason, re.IGNORECASE)
+    if not_finite:  # YAML reads `nan` / `inf` as strings; a rate or a coefficient must be a finite number anyway
+        reason = f"must be a finite number, got {not_finite.group(1)}"
     return f"--{flag}: {reason}" if flag else reason
 
 
 #: Settings earlier versions had, and what replaced them.
 REMOVED = {"model.ppo.temperature": "removed: the update scores log-probs at the temperature the batch was sampled "
                                     "with, --data.rollout.temperature"}
+
+
+def nested_flags() -> list[str]:
+    """The full paths of the settings' fields (``--data.rollout.temperature``, ...): jsonargparse lists an optional
+    settings object as one option, so a misspelt field would otherwise be matched against unrelated top-level flags."""
+    import dataclasses
+
+    from ragen_pl.collapse import CollapseConfig
+    from ragen_pl.config import LoraSettings, OptimConfig, PPOConfig, RolloutConfig
+    from ragen_pl.rewards import RewardNorm
+
+    groups = {"--data.rollout": RolloutConfig, "--model.ppo": PPOConfig, "--model.optim": OptimConfig,
+              "--model.lora": LoraSettings, "--model.collapse": CollapseConfig, "--model.reward_norm": RewardNorm}
+    return [f"{prefix}.{f.name}" for prefix, cls in groups.items() if dataclasses.is_dataclass(cls)
+            for f in dataclasses.fields(cls)]
 
 
 def own_reason(message: str) -> str | None:

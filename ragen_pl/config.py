@@ -20,7 +20,7 @@ SYSTEM_PROMPT = "You are a helpful assistant. You solve problems step by step."
 """The system message of every trajectory unless ``--data.rollout.system_prompt`` says otherwise (RAGEN's)."""
 
 __all__ = ["SYSTEM_PROMPT", "LoraSettings", "OptimConfig", "PPOConfig", "RolloutConfig", "check_choice", "check_int",
-           "check_sampling", "from_saved", "lora_from_saved"]
+           "check_number", "check_sampling", "from_saved", "lora_from_saved"]
 
 
 def check_choice(flag: str, value: Any, choices: Any) -> None:
@@ -44,21 +44,23 @@ def check_int(flag: str, value: Any, low: int = 1, high: int | None = None) -> N
         raise ValueError(f"`{flag}` must be an integer {bound}, got {value!r}")
 
 
-def _check_number(flag: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bound = f"> {low:g}" if low_open else f">= {low:g}"
-        if high < math.inf:
-            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+def check_number(flag: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """Refuse anything but a finite number in the bounds (``low_open``: above ``low``, not at it)."""
+    bound = f"> {low:g}" if low_open else f">= {low:g}"
+    if high < math.inf:
+        bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and not math.isfinite(value):
+        raise ValueError(f"`{flag}` must be a finite number {bound}, got {value!r}")
+    if not (number and (value > low if low_open else value >= low) and value <= high):
         raise ValueError(f"`{flag}` must be {bound}, got {value!r}")
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, max_new_tokens: int, prefix: str = "") -> None:
     """The sampling settings' rules, shared by :class:`RolloutConfig` (flags ``--data.rollout.*``) and the engine
     API's ``SamplingParams`` (``prefix=""``)."""
-    _check_number(f"{prefix}temperature", temperature, 0.0)
-    _check_number(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
+    check_number(f"{prefix}temperature", temperature, 0.0)
+    check_number(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
         raise ValueError(f"`{prefix}top_k` must be -1 (off) or an integer >= 1, got {top_k!r}")
     check_int(f"{prefix}max_new_tokens", max_new_tokens)
@@ -113,6 +115,10 @@ class PPOConfig:
     """Off-policy correction by masking: a trajectory whose geometric-mean sampler/trainer ratio
     ``exp(mean_t log(p_old / p_sampler))`` lies outside [1/bound, bound] is left out of the policy-gradient term.
     None (default) turns it off."""
+    mis_rejected: Literal["excluded", "zero_advantage"] = "excluded"
+    """What ``mis_bound`` does to a rejected trajectory: ``excluded`` takes its tokens out of the loss and of the loss's
+    denominator (verl's rollout correction since 2025-10: rejection through the response mask); ``zero_advantage``
+    gives them advantage 0 and keeps them in the denominator (and under the entropy and value terms)."""
     replay_sampling_mask: bool = True
     """When rollouts were sampled with top-k or top-p, score each token over the set of ids its sampler kept (old,
     new and entropy alike), so the importance ratio compares like with like; false scores the whole vocabulary."""
@@ -132,13 +138,13 @@ class PPOConfig:
                              f"`--model.ppo.mini_batch_size` ({self.mini_batch_size})")
         if not (isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1):
             raise ValueError(f"`--model.ppo.clip_low` must be in [0, 1), got {self.clip_low!r}")
-        _check_number("--model.ppo.clip_high", self.clip_high, 0.0)
+        check_number("--model.ppo.clip_high", self.clip_high, 0.0)
         if self.dual_clip is not None:
-            _check_number("--model.ppo.dual_clip", self.dual_clip, 1.0, low_open=True)
+            check_number("--model.ppo.dual_clip", self.dual_clip, 1.0, low_open=True)
         for name in ("entropy_coeff", "kl_coeff", "vf_coeff"):
-            _check_number(f"--model.ppo.{name}", getattr(self, name), 0.0)
+            check_number(f"--model.ppo.{name}", getattr(self, name), 0.0)
         if self.value_clip is not None:
-            _check_number("--model.ppo.value_clip", self.value_clip, 0.0, low_open=True)
+            check_number("--model.ppo.value_clip", self.value_clip, 0.0, low_open=True)
         check_choice("--model.ppo.kl_mode", self.kl_mode, Literal["loss", "reward"])
         check_choice("--model.ppo.kl_estimator", self.kl_estimator, KLEstimator)
         check_choice("--model.ppo.loss_agg", self.loss_agg, LossAgg)
@@ -147,15 +153,16 @@ class PPOConfig:
                              f"seq-mean-token-sum-norm (a number > 0, the generation budget); got loss_agg "
                              f"{self.loss_agg!r}, loss_agg_norm {self.loss_agg_norm!r}")
         if self.loss_agg_norm is not None:
-            _check_number("--model.ppo.loss_agg_norm", self.loss_agg_norm, 0.0, low_open=True)
-        _check_number("--model.ppo.grad_clip", self.grad_clip, 0.0, low_open=True)
+            check_number("--model.ppo.loss_agg_norm", self.loss_agg_norm, 0.0, low_open=True)
+        check_number("--model.ppo.grad_clip", self.grad_clip, 0.0, low_open=True)
         if self.pack and self.share_prefix:
             raise ValueError("`--model.ppo.pack=true` runs every row whole without padding, `--model.ppo.share_prefix` "
                              "runs the rows' common prompt once: choose one (add --model.ppo.share_prefix=false)")
         if self.tis_cap is not None:
-            _check_number("--model.ppo.tis_cap", self.tis_cap, 1.0)
+            check_number("--model.ppo.tis_cap", self.tis_cap, 1.0)
         if self.mis_bound is not None:
-            _check_number("--model.ppo.mis_bound", self.mis_bound, 1.0, low_open=True)
+            check_number("--model.ppo.mis_bound", self.mis_bound, 1.0, low_open=True)
+        check_choice("--model.ppo.mis_rejected", self.mis_rejected, Literal["excluded", "zero_advantage"])
 
 
 @dataclass
@@ -193,17 +200,17 @@ class OptimConfig:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def __post_init__(self) -> None:
-        _check_number("--model.optim.actor_lr", self.actor_lr, 0.0, low_open=True)
-        _check_number("--model.optim.critic_lr", self.critic_lr, 0.0, low_open=True)
+        check_number("--model.optim.actor_lr", self.actor_lr, 0.0, low_open=True)
+        check_number("--model.optim.critic_lr", self.critic_lr, 0.0, low_open=True)
         self.betas = tuple(self.betas)  # type: ignore[assignment]
         if len(self.betas) != 2:
             raise ValueError(f"`--model.optim.betas` must be two numbers in [0, 1), got {list(self.betas)}")
         for beta in self.betas:
-            _check_number("--model.optim.betas", beta, 0.0, 1.0)
-        _check_number("--model.optim.weight_decay", self.weight_decay, 0.0)
+            check_number("--model.optim.betas", beta, 0.0, 1.0)
+        check_number("--model.optim.weight_decay", self.weight_decay, 0.0)
         check_int("--model.optim.warmup_steps", self.warmup_steps, 0)
         check_choice("--model.optim.schedule", self.schedule, Literal["constant", "cosine"])
-        _check_number("--model.optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_number("--model.optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
 
 
 @dataclass
@@ -228,8 +235,8 @@ class LoraSettings:
         check_int("--model.lora.r", self.r)
         if self.last_layers is not None:
             check_int("--model.lora.last_layers", self.last_layers)
-        _check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)
-        _check_number("--model.lora.dropout", self.dropout, 0.0, 1.0)
+        check_number("--model.lora.alpha", self.alpha, 0.0, low_open=True)
+        check_number("--model.lora.dropout", self.dropout, 0.0, 1.0)
 
 
 @dataclass
@@ -288,8 +295,8 @@ class RolloutConfig:
             if self.max_seq_len <= self.max_new_tokens:
                 raise ValueError(f"`--data.rollout.max_seq_len` ({self.max_seq_len}) must be larger than "
                                  f"`--data.rollout.max_new_tokens` ({self.max_new_tokens})")
-        _check_number("--data.rollout.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
-        _check_number("--data.rollout.format_penalty", self.format_penalty, -math.inf)
+        check_number("--data.rollout.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
+        check_number("--data.rollout.format_penalty", self.format_penalty, -math.inf)
         check_sampling(self.temperature, self.top_p, self.top_k, self.max_new_tokens, prefix="--data.rollout.")
 
 

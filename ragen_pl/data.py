@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from ragen_pl.config import RolloutConfig
-from ragen_pl.dist import gather_rows, max_over_processes, process_count
+from ragen_pl.config import RolloutConfig, check_int, check_number
+from ragen_pl.dist import gather_rows, max_over_processes, process_count, sum_over_processes
 from ragen_pl.envs.base import Env
 from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
@@ -88,6 +88,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_every_n_steps: int = 1,
         seed: int = 0,
         val_seed: int = 1_000_000,
+        max_failed_share: float = 0.5,
     ) -> None:
         """
         Args:
@@ -104,14 +105,16 @@ class RolloutDataModule(pl.LightningDataModule):
             rollout_every_n_steps: a new rollout every N training steps (1 = always on-policy).
             seed: first env seed of training; group k of the run uses seed + k.
             val_seed: first env seed of evaluation (fixed, so every evaluation plays the same states).
+            max_failed_share: the largest share of a rollout's or an evaluation's episodes whose env may fail (raise,
+                time out, return garbage) before the run stops with one line (and, in training, a checkpoint of the
+                last completed iteration). Failed episodes are left out of the batch and counted either way.
         """
         super().__init__()
-        for name, value, low in (("n_groups", n_groups, 1), ("group_size", group_size, 1),
-                                 ("val_episodes", val_episodes, 1), ("rollout_every_n_steps", rollout_every_n_steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
-        if val_temperature < 0:
-            raise ValueError(f"`--data.val_temperature` must be >= 0, got {val_temperature}")
+        for name, value in (("n_groups", n_groups), ("group_size", group_size), ("val_episodes", val_episodes),
+                            ("rollout_every_n_steps", rollout_every_n_steps)):
+            check_int(f"--data.{name}", value)
+        check_number("--data.val_temperature", val_temperature, 0.0)
+        check_number("--data.max_failed_share", max_failed_share, 0.0, 1.0)
         self.envs = list(env) if isinstance(env, (list, tuple)) else [env]
         if not self.envs:
             raise ValueError("`--data.env` must name at least one env")
@@ -124,6 +127,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._engine_weights: int | None = None  # the module's weights_version the engine last got
         self._bound = None  # the policy object the engine was last bound to
         self.filter = filter if filter is not None else VarianceTopP()
+        if group_size == 1 and self.filter.ranks_by_spread():
+            raise ValueError(f"`--data.group_size=1`: a group of one trajectory has no reward spread, so "
+                             f"`--data.filter` {type(self.filter).__name__} would keep an arbitrary share of the groups; "
+                             f"use --data.group_size >= 2 or --data.filter=none")
+        self.max_failed_share = max_failed_share
         self.rollout_config = rollout or RolloutConfig()
         self.val_envs = list(val_envs) if val_envs else list(self.envs)
         self.val_episodes, self.val_temperature = val_episodes, val_temperature
@@ -135,6 +143,9 @@ class RolloutDataModule(pl.LightningDataModule):
         """Iterations in a row whose filter kept nothing."""
         self._last: RolloutBatch | None = None
         self._steps_since_rollout = 0
+        self._unfinished: tuple[int, dict[str, Any]] | None = None
+        self._warned_failures: set[str] = set()
+        """The training step the latest fresh rollout is for, and the state before it (:meth:`rewind_unfinished_rollout`)."""
         self.collector: Collector | None = None
         self.eval_results: dict[str, RolloutResult] = {}
         """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
@@ -174,9 +185,31 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._last is not None and self._steps_since_rollout < self.rollout_every_n_steps:
             self._steps_since_rollout += 1
             return self._last
+        self._unfinished = self._rollout_start()
         self._last = self.play_training_rollout()
         self._steps_since_rollout = 1
         return self._last
+
+    def _rollout_start(self) -> tuple[int, dict[str, Any]]:
+        """The training step a fresh rollout is for, and what the data module's checkpoint holds before it."""
+        import copy
+
+        step = self.trainer.global_step if getattr(self, "trainer", None) is not None else -1
+        return step, {"iteration": self.iteration, "engine": copy.deepcopy(self.engine.state_dict()),
+                      "empty_filters": self.empty_filters}
+
+    def rewind_unfinished_rollout(self, global_step: int) -> bool:
+        """Undo a rollout whose training step did not complete (a stop signal or an error mid-iteration): the seed
+        counter and the sampling state go back to before it, so that a checkpoint saved now resumes with that very
+        rollout. Whether there was one to undo."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is None or unfinished[0] != global_step:
+            return False
+        state = unfinished[1]
+        self.iteration, self.empty_filters = state["iteration"], state["empty_filters"]
+        self.engine.load_state_dict(state["engine"])
+        self._last, self._steps_since_rollout = None, 0
+        return True
 
     def play_training_rollout(self) -> RolloutBatch:
         rank, world = self.world
@@ -189,10 +222,12 @@ class RolloutDataModule(pl.LightningDataModule):
         metrics = rollout_metrics(result.episodes, by_tag=self.by_tag)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
+        failed, played = self._check_failures(result, f"trajectory of training iteration {self.iteration - 1}")
+        metrics["rollout/failed"], metrics["rollout/played"] = torch.tensor(failed), torch.tensor(played)
         batch = result.batch
-        if batch is None:
-            raise RolloutError(f"every trajectory of training iteration {self.iteration - 1} failed; "
-                               f"{_failures(result)}")
+        if batch is None:  # every episode of this rank failed, not of all (else _check_failures said so)
+            raise RolloutError(f"every trajectory of training iteration {self.iteration - 1} failed on rank "
+                               f"{self.world[0]}; {_failures(result)}")
         t0 = time.perf_counter()
         keep, filter_metrics = self._filter(batch)
         metrics.update(filter_metrics)
@@ -299,14 +334,36 @@ class RolloutDataModule(pl.LightningDataModule):
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
         result = self._collect(specs, temperature=self.val_temperature)
-        if result.episodes and all(ep.failed is not None for ep in result.episodes):
-            raise RolloutError(f"every {prefix} episode of env {env.tag!r} failed; {_failures(result)}")
+        failed, played = self._check_failures(result, f"{prefix} episode of env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         share = f" (rank 0's share; the logged value averages all {self.world[1]} ranks)" if self.world[1] > 1 else ""
+        counted = sum(ep.failed is None for ep in result.episodes)  # what the success share averages
+        lost = f"; {int(failed)} of {int(played)} episodes failed and are not counted" if failed else ""
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
-                       f"{len(specs)} episodes{share}")
+                       f"{counted} episodes{share}{lost}")
         self.eval_results[env.tag] = result
         return metrics
+
+    def _check_failures(self, result: RolloutResult, what: str) -> tuple[float, float]:
+        """Count the failed episodes of ``result`` over every process (every rank plays its share at the same point);
+        warn once per env with its first error; stop the run in one line (:class:`RolloutError`) when every episode
+        failed or more than ``max_failed_share`` of them did. Returns (failed, played) over every process."""
+        mine = [ep for ep in result.episodes if ep.failed is not None]
+        trainer = getattr(self, "trainer", None)
+        device = trainer.strategy.root_device if trainer is not None else "cpu"
+        counts = sum_over_processes(torch.tensor([float(len(mine)), float(len(result.episodes))], device=device))
+        failed, played = float(counts[0]), float(counts[1])
+        for ep in mine:
+            if ep.env.tag not in self._warned_failures:
+                self._warned_failures.add(ep.env.tag)
+                rank_zero_warn(f"env {ep.env.tag!r}: episodes fail (left out of the batch and counted as "
+                               f"`failed_envs`); the first: seed {ep.spec.seed}: {ep.failed}")
+        if played and failed == played:
+            raise RolloutError(f"every {what} failed; {_failures(result)}")
+        if played and failed / played > self.max_failed_share:
+            raise RolloutError(f"{int(failed)} of {int(played)} episodes failed ({what.split(' of ', 1)[-1]}), more "
+                               f"than --data.max_failed_share={self.max_failed_share:g}; {_failures(result)}")
+        return failed, played
 
     def _eval_loaders(self, prefix: str) -> list[DataLoader]:
         return [DataLoader(_Once(lambda env=env: self.evaluate(env, prefix)), batch_size=None, num_workers=0)

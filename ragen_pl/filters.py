@@ -33,7 +33,7 @@ __all__ = [
     "select_groups",
 ]
 
-RankBy = Literal["reward_std", "reward_mean", "length", "entropy"]
+RankBy = Literal["reward_std", "reward_mean", "length", "sampled_nll"]
 KeepMode = Literal["top_p", "top_k", "min_value"]
 
 
@@ -57,7 +57,7 @@ def group_metric(batch: TrajectoryBatch | TrajectoryStats, rank_by: RankBy = "re
     """(G,) per-group statistic, groups in ascending group-id order.
 
     ``reward_std``: unbiased std of the trajectory rewards inside the group; ``reward_mean``: their mean;
-    ``length``: mean number of sampled tokens; ``entropy``: mean of ``-old_logprobs`` over sampled tokens, the
+    ``length``: mean number of sampled tokens; ``sampled_nll``: mean of ``-old_logprobs`` over sampled tokens, the
     Monte-Carlo estimate of the policy's token entropy.
     """
     stats = _stats(batch)
@@ -68,12 +68,12 @@ def group_metric(batch: TrajectoryBatch | TrajectoryStats, rank_by: RankBy = "re
         per_traj = std if rank_by == "reward_std" else mean
     elif rank_by == "length":
         per_traj = stats.lengths.double()
-    elif rank_by == "entropy":
+    elif rank_by == "sampled_nll":
         if stats.entropy is None:
-            raise ValueError("rank_by='entropy' needs `old_logprobs` in the batch")
+            raise ValueError("rank_by='sampled_nll' needs `old_logprobs` in the batch")
         per_traj = stats.entropy.double()
     else:
-        raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, entropy, got {rank_by!r}")
+        raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, sampled_nll, got {rank_by!r}")
     total = torch.zeros(G, dtype=torch.float64, device=per_traj.device).index_add_(0, inverse, per_traj.double())
     count = torch.zeros_like(total).index_add_(0, inverse, torch.ones_like(per_traj, dtype=torch.float64))
     return total / count
@@ -113,6 +113,11 @@ class Filter(ABC):
 
     def loss_scale(self, kept_frac: float) -> float:
         return 1.0
+
+    def ranks_by_spread(self) -> bool:
+        """Whether the filter ranks groups by how their trajectories differ (reward or entropy spread): with one
+        trajectory a group every spread is 0, and the groups kept would be arbitrary."""
+        return False
 
     def __call__(self, batch: TrajectoryBatch | TrajectoryStats) -> FilterResult:
         """Select groups. ``keep`` is over the batch's rows, or over the entries of :class:`TrajectoryStats` (pass
@@ -177,10 +182,13 @@ class VarianceTopP(Filter):
             raise ValueError(f"`top_k` must be an integer >= 1 with mode='top_k', got {top_k!r}")
         if mode == "min_value" and min_value is None:
             raise ValueError("`min_value` must be set with mode='min_value'")
-        if rank_by not in ("reward_std", "reward_mean", "length", "entropy"):
-            raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, entropy, got {rank_by!r}")
+        if rank_by not in ("reward_std", "reward_mean", "length", "sampled_nll"):
+            raise ValueError(f"`rank_by` must be one of reward_std, reward_mean, length, sampled_nll, got {rank_by!r}")
         self.top_p, self.rank_by, self.mode = top_p, rank_by, mode
         self.top_k, self.min_value, self.reverse = top_k, min_value, reverse
+
+    def ranks_by_spread(self) -> bool:
+        return self.rank_by == "reward_std"
 
     def select(self, batch: TrajectoryStats) -> Tensor:
         value = {"top_p": self.top_p, "top_k": self.top_k, "min_value": self.min_value}[self.mode]
@@ -201,6 +209,9 @@ class DropZeroVariance(Filter):
 
     def select(self, batch: TrajectoryStats) -> Tensor:
         return group_metric(batch, "reward_std") > self.eps
+
+    def ranks_by_spread(self) -> bool:
+        return True
 
 
 class AdaptiveVariance(Filter):
@@ -227,6 +238,9 @@ class AdaptiveVariance(Filter):
             raise ValueError(f"`rel_threshold` must be in (0, 1], got {rel_threshold}")
         self.min_p, self.max_p, self.rel_threshold = min_p, max_p, rel_threshold
 
+    def ranks_by_spread(self) -> bool:
+        return True
+
     def kept_share(self, std: Tensor) -> float:
         top = float(std.max()) if std.numel() else 0.0
         informative = float((std >= self.rel_threshold * top).double().mean()) if top > 0 else 0.0
@@ -237,13 +251,17 @@ class AdaptiveVariance(Filter):
         return select_groups(std, "top_p", self.kept_share(std))
 
 
-GroupScore = Literal["reward_variance", "reward", "reward_sum", "entropy", "entropy_variance", "length"]
+GroupScore = Literal["reward_variance", "reward", "reward_sum", "sampled_nll", "sampled_nll_variance", "length"]
+"""RAGEN-2's group scores. Its ``entropy`` / ``entropy_variance`` read the exact token entropy from the logits; the
+figure here is each trajectory's mean negative log-likelihood of its sampled tokens (a Monte-Carlo estimate of that
+entropy, from the log-probs the batch carries), so it is named ``sampled_nll`` / ``sampled_nll_variance``."""
 
 
 def group_scores(stats: TrajectoryStats, metric: GroupScore) -> Tensor:
     """(G,) RAGEN-2's per-group score, groups in ascending id order: ``reward_variance`` is the in-group reward std
-    (RAGEN-2's name, its value), ``reward`` / ``reward_sum`` the in-group mean / sum of rewards, ``entropy`` the
-    in-group mean of each trajectory's mean token entropy and ``entropy_variance`` its in-group std, ``length`` the
+    (RAGEN-2's name, its value), ``reward`` / ``reward_sum`` the in-group mean / sum of rewards, ``sampled_nll`` the
+    in-group mean of each trajectory's mean sampled-token negative log-likelihood (a Monte-Carlo estimate of its token
+    entropy) and ``sampled_nll_variance`` its in-group std, ``length`` the
     in-group mean of sampled tokens."""
     _, inverse = _group_index(stats.group_ids)
     G = int(inverse.max()) + 1
@@ -256,11 +274,11 @@ def group_scores(stats: TrajectoryStats, metric: GroupScore) -> Tensor:
         sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, (x - mean[inverse]) ** 2)
         return total, mean, (sq / (count - 1).clamp(min=1)).sqrt()
 
-    if metric in ("entropy", "entropy_variance"):
+    if metric in ("sampled_nll", "sampled_nll_variance"):
         if stats.entropy is None:
             raise ValueError(f"`metric: {metric}` needs the rollout's log-probs (the engine reports them)")
         _, mean, std = per_group(stats.entropy)
-        return mean if metric == "entropy" else std
+        return mean if metric == "sampled_nll" else std
     if metric == "length":
         return per_group(stats.lengths)[1]
     total, mean, std = per_group(stats.scores)
@@ -372,6 +390,9 @@ class SNR(Filter):
         self.strategy, self.value, self.metric, self.keep = strategy, value, metric, keep
         self.include_zero, self.top_p_mode, self.selection_eps = include_zero, top_p_mode, selection_eps
         self.loss_scaling, self.empty_stop_steps = loss_scaling, empty_stop_steps
+
+    def ranks_by_spread(self) -> bool:
+        return self.metric in ("reward_variance", "sampled_nll_variance")
 
     def select(self, batch: TrajectoryStats) -> Tensor:
         return snr_select(group_scores(batch, self.metric), self.strategy, self.value, self.keep, self.include_zero,

@@ -22,8 +22,14 @@ from ragen_pl.module import RagenModule
 from ragen_pl.notices import hide_lightning_tips, warn_slow_precision, warn_warm_layout
 from ragen_pl.registry import PluginLoadError
 from ragen_pl.resume import resolve_checkpoint
-from ragen_pl.runs import claim_version, launching_rank, lock_run_folder, write_run_info
-from ragen_pl.signals import Terminated, stop_on_sigterm
+from ragen_pl.runs import (
+    claim_version,
+    launching_rank,
+    lock_run_folder,
+    remove_unused_run_folders,
+    write_run_info,
+)
+from ragen_pl.signals import Terminated, stop_on_signals
 
 TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,  # evaluation rollouts are expensive; the first validation runs at val_check_interval
@@ -38,6 +44,9 @@ TRAINER_DEFAULTS = {
 
 
 class RagenCLI(LightningCLI):
+    claimed: list[Path] = []
+    """The run folders this command claimed (run_lightning_cli gives each command its own list)."""
+
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}"])
         parser = RagenArgumentParser(**kwargs)
@@ -69,6 +78,7 @@ class RagenCLI(LightningCLI):
                 if hasattr(logger, "_version") and hasattr(logger, "root_dir"):
                     if logger._version is None:
                         logger._version = claim_version(logger.root_dir)
+                        self.claimed.append(Path(logger.log_dir))
                     lock_run_folder(logger.log_dir)
         warn_slow_precision(trainer)
         have = {type(cb) for cb in trainer.callbacks}
@@ -102,7 +112,7 @@ class RagenCLI(LightningCLI):
         sub = self.config.get("subcommand")
         cfg = self.config.get(sub) if sub else None
         if cfg is not None:
-            resolve_checkpoint(cfg)
+            resolve_checkpoint(cfg, exclude=self.claimed)
 
     def before_fit(self) -> None:
         """A resumed run records the checkpoint it continues, so `ragen-pl report` can show the whole run."""
@@ -135,9 +145,10 @@ def run_lightning_cli(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    previous = stop_on_sigterm()
+    previous = stop_on_signals()
+    claimed: list[Path] = []  # the run folder this command claims (RagenCLI.instantiate_trainer)
     try:
-        RagenCLI(
+        type("RunCLI", (RagenCLI,), {"claimed": claimed})(
             RagenModule,
             RolloutDataModule,
             args=argv,
@@ -148,16 +159,27 @@ def run_lightning_cli(argv: list[str]) -> int:
         )
     except (ConfigError, PluginLoadError, RolloutError) as err:
         # The user's setup, not a bug: one line naming the field, file or env, not a traceback.
+        remove_unused_run_folders(claimed)
         if os.environ.get("RAGEN_PL_TRACEBACK"):
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("stopped by SIGTERM; the last checkpoint is whole (resume with --ckpt_path=last)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Terminated as stop:
+        print(_stopped(stop.signum, claimed), file=sys.stderr)
+        return 128 + stop.signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
+
+
+def _stopped(signum: int, claimed: list[Path]) -> str:
+    """The one line a stopped run ends with: which signal, and the checkpoint to resume from (or that there is none)."""
+    name = signal.Signals(signum).name
+    last = next((p for folder in claimed for p in [folder / "checkpoints" / "last.ckpt"] if p.exists()), None)
+    if last is not None:
+        return f"stopped by {name}; resume with --ckpt_path={last}"
+    where = f" ({claimed[0]})" if claimed else ""
+    return f"stopped by {name} before its first iteration ended: this run{where} has no checkpoint to resume from"
 
 

@@ -41,6 +41,7 @@ from ragen_pl.hooks import ModelHook, hooks_from_hparams
 from ragen_pl.losses import PolicyLoss
 from ragen_pl.policy import Models, load_models, policy_state_dict, shard
 from ragen_pl.rewards import RewardNorm
+from ragen_pl.signals import allow_stop, defer_stop
 from ragen_pl.types import TrajectoryBatch
 from ragen_pl.update import (
     DEFAULT_ADVANTAGE,
@@ -226,14 +227,17 @@ class RagenModule(pl.LightningModule):
     def training_step(self, dataloader_iter) -> None:
         start = time.perf_counter()
         rollout, _, _ = next(dataloader_iter)  # the rollout is played here, on demand
+        defer_stop()  # a stop signal from here waits for the iteration's end (on_train_batch_end)
         batch: TrajectoryBatch = rollout.batch.to(self.device)
         rollout.batch = batch
         metrics = dict(rollout.metrics)
         fresh = batch.advantages is None
+        self._sync_device()  # the phases' timestamps below see the GPU's work finished, not merely queued
         if fresh and self.collapse is not None and self.trainer.global_step % self.collapse.every_n_steps == 0:
             # The sampling policy's view of this rollout, before the update changes it.
             self.log_sporadic(collapse_metrics(self.policy, self.tokenizer, rollout.result.batch, self.collapse,
                                                self.collapse_generator))
+            self._sync_device()
         t0 = time.perf_counter()
         if rollout.empty:  # the filter kept nothing: no update this iteration (and no weight change)
             metrics["train/optimizer_steps"] = torch.tensor(0.0)
@@ -244,9 +248,11 @@ class RagenModule(pl.LightningModule):
             metrics.update(self.prepare(batch))
         # else: a rollout reused (`data.rollout_every_n_steps` > 1) keeps the log-probs, values and advantages of
         # the policy that sampled it, so PPO's ratio stays the importance weight against the behaviour policy.
+        self._sync_device()
         t1 = time.perf_counter()
         metrics["train/actor_lr"] = torch.tensor(self._optimizers()[0].optimizer.param_groups[0]["lr"])
         metrics.update(self.update(batch))
+        self._sync_device()
         t2 = time.perf_counter()
         if fresh:
             metrics.update(entropy_metrics(batch, by_tag=getattr(self.trainer.datamodule, "by_tag", None)))
@@ -260,6 +266,17 @@ class RagenModule(pl.LightningModule):
         weights = {k: tags[tag] for k in metrics if k.count("/") >= 2 and (tag := k.split("/")[1]) in tags}
         self.log_dict(mean_over_ranks(metrics, weights, default_weight=1.0), on_step=True, batch_size=len(batch))
         self._advance_global_step()
+
+    @override
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """The iteration is complete (Lightning's callbacks, the periodic checkpoint among them, have run): a stop
+        signal that arrived during its update stops the run here (:mod:`ragen_pl.signals`)."""
+        allow_stop()
+
+    def _sync_device(self) -> None:
+        """Wait for the GPU's queued work (a CUDA device only), so that a time taken next measures what was done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def log_sporadic(self, metrics: dict[str, float | Tensor]) -> None:
         """Log metrics that are not computed at every step straight to the loggers, at this step.
@@ -308,10 +325,15 @@ class RagenModule(pl.LightningModule):
         """``batch``: one env's evaluation metrics on this rank, averaged over every rank's episodes here."""
         eval_seeds = getattr(self.trainer.datamodule, "eval_seeds", None)
         episodes = len(eval_seeds()) if eval_seeds is not None else 1
+        values = mean_over_ranks(batch, {}, default_weight=episodes)
+        in_fit = self.trainer.state.fn == "fit"
         # Every rank holds the same means after mean_over_ranks; sync_dist keeps Lightning's epoch-level logging
-        # (and its warning about unsynced values) content.
-        self.log_dict(mean_over_ranks(batch, {}, default_weight=episodes), add_dataloader_idx=False, batch_size=1,
-                      sync_dist=True)
+        # (and its warning about unsynced values) content. In fit the loggers get them at the step of the weights
+        # evaluated (after update k: step k; Lightning would write k - 1, the step of the last training row).
+        self.log_dict(values, add_dataloader_idx=False, batch_size=1, sync_dist=True, logger=not in_fit)
+        if in_fit and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(values, step=self.trainer.global_step)
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:

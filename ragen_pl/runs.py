@@ -44,6 +44,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def in_use(folder: str | os.PathLike) -> bool:
+    """Whether another live process holds ``folder`` (:func:`lock_run_folder`): a run in progress, not one that
+    stopped (this process's own runs have ended when it asks, or are its own to exclude)."""
+    folder = Path(folder)
+    lock = folder.parent / f".{folder.name}.lock"
+    try:
+        pid = int(lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    return bool(pid) and pid != os.getpid() and _alive(pid)
+
+
 def lock_run_folder(folder: str | os.PathLike) -> None:
     """Hold ``folder`` for this process until it exits; a folder held by a live process is a :class:`ConfigError`."""
     folder = Path(folder)
@@ -66,6 +78,22 @@ def lock_run_folder(folder: str | os.PathLike) -> None:
             f.write(str(os.getpid()))
         atexit.register(lambda: lock.unlink(missing_ok=True))
         return
+
+
+def remove_unused_run_folders(folders: list[Path]) -> None:
+    """Remove the run folders a command claimed and failed to use (a config or setup error before its first logged
+    iteration): nothing in them but what Lightning writes at start (config.yaml, hparams.yaml, an empty metrics.csv)."""
+    import shutil
+
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        metrics = folder / "metrics.csv"
+        logged = metrics.is_file() and len(metrics.read_text().splitlines()) > 1
+        checkpoints = any((folder / "checkpoints").glob("*")) if (folder / "checkpoints").is_dir() else False
+        if not logged and not checkpoints and not (folder / "samples").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            (folder.parent / f".{folder.name}.lock").unlink(missing_ok=True)
 
 
 def write_run_info(folder: str | os.PathLike, resumed_from: str | None) -> None:
@@ -100,8 +128,8 @@ def run_chain(folder: str | os.PathLike, limit: int = 100) -> list[Path]:
     return chain
 
 
-__all__ = ["claim_version", "launching_rank", "lock_run_folder", "run_chain", "run_folder_of_checkpoint",
-           "write_run_info"]
+__all__ = ["claim_version", "in_use", "launching_rank", "lock_run_folder", "remove_unused_run_folders", "run_chain",
+           "run_folder_of_checkpoint", "write_run_info"]
 
 
 def launching_rank() -> bool:

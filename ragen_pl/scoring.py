@@ -267,7 +267,10 @@ class Scores:
     positions: int = 0
     """Positions the model's trunk ran over (padding included; a shared prefix once): its FLOPs' token count."""
     scored: int = 0
-    """Tokens that went through the LM head."""
+    """Tokens scored (log-probs taken)."""
+    head_positions: int = 0
+    """Positions the LM head computed logits at: every row at each column some row scores (padded layout), the
+    scored tokens (packed): what the head's FLOPs count."""
 
 
 def _spread(target: Tensor, values: Tensor) -> Tensor:
@@ -298,6 +301,7 @@ def score(model: nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature
                                 states], 1)
     s = scores_from_logits(logits, labels, mask, temperature, kept=kept, entropy=entropy)
     s.hidden = states
+    s.head_positions = labels.numel() if pack else ids.shape[0] * int(mask[:, 1:].any(0).sum())
     s.positions = int(attn.sum()) if pack else ids.numel() - (ids.shape[0] - 1) * prefix
     return s
 

@@ -30,8 +30,8 @@ from ragen_pl.rewards import RewardNorm
 from ragen_pl.scoring import Scores, score
 from ragen_pl.types import TrajectoryBatch
 
-__all__ = ["DEFAULT_ADVANTAGE", "DEFAULT_POLICY_LOSS", "MicroLoss", "StarPOUpdate", "entropy_metrics", "explained_variance", "micro_batches",
-           "mismatch_metrics", "off_policy_correction", "trimmed"]
+__all__ = ["DEFAULT_ADVANTAGE", "DEFAULT_POLICY_LOSS", "MicroLoss", "StarPOUpdate", "entropy_metrics",
+           "explained_variance", "micro_batches", "mis_rejected", "mismatch_metrics", "off_policy_correction", "trimmed"]
 
 DEFAULT_ADVANTAGE: type[Advantage] = GAE
 """The estimator of a run that names none (the paper's PPO: token-level GAE, gamma = lambda = 1)."""
@@ -74,7 +74,9 @@ class StarPOUpdate:
         self.positions = 0
         """Trunk positions the policy's forwards ran over in the current ``step`` (for FLOP counts)."""
         self.scored = 0
-        """Tokens through the policy's LM head in the current ``step``."""
+        """Tokens the policy scored in the current ``step``."""
+        self.head_positions = 0
+        """Positions the policy's LM head computed logits at in the current ``step`` (for FLOP counts)."""
 
     # ------------------------------------------------------------------------------------------- scoring
     def scores_old_policy_in_update(self, models: Models, n: int) -> bool:
@@ -87,7 +89,7 @@ class StarPOUpdate:
         """
         p = self.ppo
         return (p.ppo_epochs == 1 and p.mini_batch_size >= n and models.value_head is None
-                and not (p.kl_coeff > 0 and p.kl_mode == "reward"))
+                and not (p.kl_coeff > 0 and p.kl_mode == "reward") and p.mis_bound is None)
 
     def score_policy(self, models: Models, part: TrajectoryBatch, rows: Tensor, *, entropy: bool = False,
                      hidden: bool = False) -> Scores:
@@ -188,12 +190,14 @@ class StarPOUpdate:
         s = self.score_policy(models, part, rows, entropy=True, hidden=models.value_head is not None)
         # No old log-probs yet: this forward is the sampling policy's (see `scores_old_policy_in_update`).
         old = part.old_logprobs if part.old_logprobs is not None else s.logprobs.detach()
-        advantages, off_metrics = off_policy_correction(
-            part.advantages, mask, old, part.rollout_logprobs, p.tis_cap, p.mis_bound)
+        mis = p.mis_bound if p.mis_rejected == "zero_advantage" else None  # (excluded: gone from the mask already)
+        advantages, off_metrics = off_policy_correction(part.advantages, mask, old, part.rollout_logprobs, p.tis_cap,
+                                                        mis)
         pg, metrics = self.policy_loss(s.logprobs, old, advantages, mask, p)
         metrics.update(off_metrics)
         self.positions += s.positions
         self.scored += s.scored
+        self.head_positions += s.head_positions
         assert s.entropy is not None
         norm = p.loss_agg_norm or 1.0
         ent = aggregate(s.entropy, mask, p.loss_agg, norm)
@@ -223,7 +227,8 @@ class StarPOUpdate:
         actor's parameters (and a shared value head's), ``optimizers[1]`` a separate critic's. A step whose gradient
         norm is not finite is skipped and counted. The last mini-batch's gradients stay on the parameters."""
         p = self.ppo
-        self.positions = self.scored = 0
+        self.positions = self.scored = self.head_positions = 0
+        batch, rejected = self._without_rejected(batch)
         actor_params = [q for group in optimizers[0].param_groups for q in group["params"]]
         critic_params = [q for group in optimizers[1].param_groups for q in group["params"]] if len(optimizers) > 1 else []
         sums: dict[str, list[Tensor]] = {}
@@ -267,11 +272,27 @@ class StarPOUpdate:
             for rows, lp in scored:
                 batch.old_logprobs[rows, :lp.shape[1]] = lp.float()
         out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).nanmean() for k, v in sums.items()}
+        if rejected is not None:
+            out["offpolicy/masked_frac"] = rejected
         out["train/skipped_steps"] = torch.tensor(float(self.skipped_steps))
         out["throughput/update_positions"] = torch.tensor(float(self.positions))
         out["throughput/update_scored_tokens"] = torch.tensor(float(self.scored))
+        out["throughput/update_head_positions"] = torch.tensor(float(self.head_positions))
         out["train/optimizer_steps"] = torch.tensor(float(steps))
         return out
+
+    def _without_rejected(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, Tensor | None]:
+        """``batch`` with the trajectories masked importance sampling rejects taken out of the loss mask (verl's
+        semantics, ``--model.ppo.mis_rejected=excluded``: out of every loss term and of the denominators), and the
+        share rejected; ``batch`` itself otherwise. The advantages were computed before, on the whole batch."""
+        p = self.ppo
+        if p.mis_bound is None or p.mis_rejected != "excluded":
+            return batch, None
+        if batch.rollout_logprobs is None or batch.old_logprobs is None:
+            raise ValueError("`--model.ppo.mis_bound` needs the rollout engine's log-probs in the batch")
+        out = mis_rejected(batch.loss_mask, batch.old_logprobs, batch.rollout_logprobs, p.mis_bound)
+        share = out.float().sum() / batch.loss_mask.any(-1).sum().clamp(min=1)
+        return replace(batch, loss_mask=batch.loss_mask & ~out[:, None]), share
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -284,6 +305,15 @@ class StarPOUpdate:
 
 
 # ------------------------------------------------------------------------------------ off-policy correction
+def mis_rejected(mask: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor, mis_bound: float) -> Tensor:
+    """(B,) the trajectories masked importance sampling rejects: those whose geometric-mean ratio
+    ``exp(mean_t log(p_old / p_sampler))`` lies outside ``[1/mis_bound, mis_bound]`` (verl's sequence-level "geometric"
+    rejection)."""
+    d = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).clamp(-20.0, 20.0).detach()
+    seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # mean log-ratio per trajectory
+    return (seq.abs() > math.log(mis_bound)) & mask.any(-1)
+
+
 def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor | None,
                           tis_cap: float | None, mis_bound: float | None) -> tuple[Tensor, dict[str, Tensor]]:
     """Correct the policy gradient for tokens sampled by an engine whose log-probs differ from the trainer's
@@ -291,8 +321,10 @@ def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor
 
     Truncated importance sampling (``tis_cap``): each token's advantage is multiplied by ``min(exp(d), tis_cap)``,
     detached; a positive weight scales PPO's clipped term exactly as it scales the advantage. Masking
-    (``mis_bound``): trajectories whose ``exp(mean_t d)`` is outside ``[1/mis_bound, mis_bound]`` get weight 0 (their
-    tokens stay in the loss's denominator, as verl's rollout correction keeps them).
+    (``mis_bound``, :func:`mis_rejected`) here gives a rejected trajectory's tokens advantage 0 while they stay in
+    the loss's denominator (``--model.ppo.mis_rejected=zero_advantage``). verl's rollout correction instead takes them
+    out of the response mask, denominator included (``excluded``, the default), which :meth:`StarPOUpdate.step`
+    applies to the loss mask before this is called; rejected rows then have no tokens left here.
 
     Returns:
         The weighted advantages and metrics (``offpolicy/tis_clipped_frac``: tokens whose ratio the cap cut;
@@ -310,11 +342,9 @@ def off_policy_correction(advantages: Tensor, mask: Tensor, old_logprobs: Tensor
         metrics["offpolicy/tis_clipped_frac"] = masked_mean((ratio > tis_cap).float(), mask)
         metrics["offpolicy/tis_weight_mean"] = masked_mean(ratio.clamp(max=tis_cap), mask)
     if mis_bound is not None:
-        has = mask.any(-1)
-        seq = d.sum(-1) / mask.sum(-1).clamp(min=1)  # mean log-ratio per trajectory
-        out = (seq.abs() > math.log(mis_bound)) & has
+        out = mis_rejected(mask, old_logprobs, rollout_logprobs, mis_bound)
         advantages = torch.where(out[:, None], 0.0, advantages)
-        metrics["offpolicy/masked_frac"] = out.float().sum() / has.sum().clamp(min=1)
+        metrics["offpolicy/masked_frac"] = out.float().sum() / mask.any(-1).sum().clamp(min=1)
     return advantages, metrics
 
 

@@ -174,9 +174,9 @@ def test_step0_validation_and_samples(tiny_model_path, tmp_path):
     steps_with_val = [r.split(",")[header.index("step")] for r in rows[1:]
                       if r.split(",")[header.index("val/Bandit/success")]]
     assert steps_with_val[0] == "0"  # evaluated before the first update
-    samples = list((tmp_path / "lightning_logs" / "version_0" / "samples").glob("*.jsonl"))
-    assert len(samples) == 1
-    lines = [json.loads(x) for x in samples[0].read_text().splitlines()]
+    samples = sorted((tmp_path / "lightning_logs" / "version_0" / "samples").glob("*.jsonl"))
+    assert [p.name for p in samples] == ["step_000000.jsonl", "step_000002.jsonl"]  # the baseline's too
+    lines = [json.loads(x) for x in samples[-1].read_text().splitlines()]
     # 3 of each env's own episodes (the second env's were once written for both)
     assert [(x["env"], x["seed"]) for x in lines] == [("Bandit", 1_000_000 + k) for k in range(3)] + [
         ("BanditTraderLibrarian", 1_000_000 + k) for k in range(3)]
@@ -440,3 +440,39 @@ def test_echo_trap_benchmark(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         echo_trap.main()
     assert "--runs: no such file no/such/metrics.csv" in capsys.readouterr().err
+
+
+def test_each_evaluation_is_logged_at_the_step_of_the_weights_it_evaluated(tiny_model_path, tmp_path):
+    """The evaluation after update k is logged at step k (Lightning would write it at k - 1, the step of the last
+    training row, so the first evaluation after training shared step 0 with the baseline), and every evaluation,
+    the step-0 baseline included, writes its sample trajectories."""
+    from ragen_pl.callbacks import TrajectorySamples
+
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=2,
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+    trainer = pl.Trainer(max_steps=2, val_check_interval=1, check_val_every_n_epoch=None, logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                         callbacks=[ValidateAtStart(), TrajectorySamples(n=2)])
+    trainer.fit(module, dm)
+    folder = tmp_path / "lightning_logs" / "version_0"
+    with open(folder / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows if r.get("val/Bandit/success")] == [0, 1, 2]
+    assert sorted(p.name for p in (folder / "samples").glob("*.jsonl")) == [
+        "step_000000.jsonl", "step_000001.jsonl", "step_000002.jsonl"]
+
+
+def test_the_alarm_tally_counts_a_catch_only_near_the_collapse():
+    """An alarm counts as catching a collapse only from 5 steps before its onset to 10 after: the held-out run whose
+    alarm fired at 2 on an earlier fall, 25 steps before its lasting collapse at 27, is not a catch of that collapse
+    (the replay says so, and the tally has 20 of 21)."""
+    import benchmarks.echo_trap as echo_trap
+
+    assert echo_trap.CATCH_WINDOW == (-5, 10)
+    assert echo_trap.caught(3, 1) and echo_trap.caught(0, 5) and echo_trap.caught(11, 1)
+    assert not echo_trap.caught(2, 27) and not echo_trap.caught(12, 1) and not echo_trap.caught(None, 1)
+    rows = [("seed4", "Bandit", 1, 27, 2, "-"), ("seed3", "Bandit", 19, 19, 21, "-")]
+    assert echo_trap._tally(rows, 3) == ("caught 1/2 within -5..+10 steps of the onset (delay +2 to +2 steps, 1 more "
+                                         "fired outside the window); false alarms 0/0")
+    assert echo_trap._tally(rows, 2).startswith("caught 2/2 within")

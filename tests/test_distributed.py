@@ -33,7 +33,7 @@ FILTERS = {
     "snr_top_k": SNR(strategy="top_k", value=0.25),
     "snr_top_k_abs": SNR(strategy="top_k_abs", value=2),
     "snr_min_p": SNR(strategy="min_p", value=0.5),
-    "snr_entropy": SNR(strategy="top_k", value=0.25, metric="entropy"),
+    "snr_sampled_nll": SNR(strategy="top_k", value=0.25, metric="sampled_nll"),
 }
 
 
@@ -125,9 +125,9 @@ def test_a_ddp_run_evaluates_and_writes_samples(tiny_model_path, tmp_path):
     run = next(tmp_path.glob("bandit/version_*"))
     with open(run / "metrics.csv") as f:
         evaluated = [r for r in csv.DictReader(f) if r.get("val/Bandit/success")]
-    assert [r["step"] for r in evaluated] == ["0", "0", "1"]  # before training, then after iterations 1 and 2
+    assert [r["step"] for r in evaluated] == ["0", "1", "2"]  # before training, then after iterations 1 and 2
     samples = sorted((run / "samples").glob("step_*.jsonl"))
-    assert [p.name for p in samples] == ["step_000001.jsonl", "step_000002.jsonl"]
+    assert [p.name for p in samples] == ["step_000000.jsonl", "step_000001.jsonl", "step_000002.jsonl"]
     for path in samples:  # rank 0's 2 of each env's 4 episodes
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert [(r["env"], r["seed"]) for r in rows] == [("Bandit", 1_000_000), ("Bandit", 1_000_002),

@@ -158,7 +158,7 @@ def test_cli_resume_paths(tiny_model_path, tmp_path, capsys):
     assert success[0][0] < 3 and success[-1][0] >= 3  # the resumed run's report includes its first part
 
     assert main(_fit_args(tiny_model_path, tmp_path / "elsewhere", 5, "--ckpt_path=last")) == 2
-    assert "--ckpt_path=last: no last.ckpt under" in capsys.readouterr().err
+    assert "--ckpt_path=last: no run under" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ envs
@@ -334,3 +334,238 @@ data:
     assert "stopped by SIGTERM" in err
     for path in (tmp_path / "ckpt").glob("*.ckpt"):
         verify(path)  # whole: its digest matches
+
+
+def _sigterm_during_update(loss_cls):
+    """``loss_cls`` that sends this process SIGTERM in the second iteration's update (one micro-batch each)."""
+    class Loss(loss_cls):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            import signal as _signal
+
+            type(self).calls += 1
+            if type(self).calls == 2:
+                os.kill(os.getpid(), _signal.SIGTERM)
+            return super().__call__(*args, **kwargs)
+
+    return Loss
+
+
+from ragen_pl.losses import PPOClip  # noqa: E402
+
+SigtermLoss = _sigterm_during_update(PPOClip)
+
+
+def _stop_config(tmp_path, model, env: str, steps: int) -> Path:
+    config = tmp_path / f"stop-{steps}.yaml"
+    config.write_text(f"""
+trainer:
+  max_steps: {steps}
+  accelerator: cpu
+  enable_progress_bar: false
+  limit_val_batches: 0
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {{save_dir: {tmp_path / 'runs'}, name: stop}}
+model:
+  model: {model}
+  advantage: {{class_path: ragen_pl.advantages.GRPO}}
+  ppo: {{mini_batch_size: 4, micro_batch_size: 4}}
+data:
+  env: {env}
+  n_groups: 2
+  group_size: 2
+  filter: {{class_path: ragen_pl.filters.NoFilter}}
+  rollout: {{max_turns: 1, max_new_tokens: 4, step_timeout_s: 120}}
+""")
+    return config
+
+
+def _signal_mid_rollout(config, tmp_path, wait_for: str):
+    """Run ``config`` in a subprocess, wait for ``wait_for`` in its output folder, send SIGTERM, return the process."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(config), "--torch_threads=1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline and not _reached(tmp_path, wait_for):
+        time.sleep(0.2)
+    time.sleep(1.5)  # the rollout is now sleeping in an env reset
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+def _reached(tmp_path, wait_for):
+    """``started``: the run claimed its folder; ``iterations``: its metrics hold 3 iterations."""
+    folder = tmp_path / "runs" / "stop" / "version_1"
+    if wait_for == "started":
+        return folder.is_dir()
+    metrics = folder / "metrics.csv"
+    return metrics.is_file() and len(metrics.read_text().splitlines()) > 3
+
+
+@pytest.mark.slow
+def test_a_stop_saves_the_last_completed_iteration_in_its_own_run(tiny_model_path, tmp_path, capsys):
+    """In a run folder that already holds an older run, SIGTERM in the 4th rollout (its env resets sleep) saves the
+    3 completed iterations in the new run's own folder, the rollout under way undone (the data module's seed counter
+    is back at 3), and says where; `--ckpt_path=last` then resumes that run, not the older one. Stopped in its first
+    rollout, a run says in one line it has no checkpoint, and `--ckpt_path=last` names it instead of resuming an
+    older run's."""
+    import signal
+
+    old = _stop_config(tmp_path, tiny_model_path, "{class_path: ragen_pl.envs.bandit.Bandit}", 2)
+    assert main(["fit", "--config", str(old), "--torch_threads=1"]) == 0
+    older = tmp_path / "runs" / "stop" / "version_0" / "checkpoints" / "last.ckpt"
+    assert older.exists()
+
+    config = _stop_config(tmp_path, tiny_model_path, "{class_path: tests.slow_env.SlowBandit, init_args: {slow_from: 6}}",
+                          10)
+    code, err = _signal_mid_rollout(config, tmp_path, "iterations")
+    last = tmp_path / "runs" / "stop" / "version_1" / "checkpoints" / "last.ckpt"
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"stopped by SIGTERM; resume with --ckpt_path={last}"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 3  # iterations 1-3 completed; the 4th's rollout was under way
+    assert saved["RolloutDataModule"]["iteration"] == 3  # the unfinished rollout is undone: resuming plays it again
+    capsys.readouterr()
+    resume = _stop_config(tmp_path, tiny_model_path, "{class_path: ragen_pl.envs.bandit.Bandit}", 4)
+    assert main(["fit", "--config", str(resume), "--ckpt_path=last", "--torch_threads=1"]) == 0
+    info = json.loads((tmp_path / "runs" / "stop" / "version_2" / "run.json").read_text())
+    assert info["resumed_from"] == str(last.resolve())
+
+    first = _stop_config(tmp_path, tiny_model_path, "{class_path: tests.slow_env.SlowBandit, init_args: {slow_from: 0}}",
+                         4)
+    import shutil
+
+    for stale in (tmp_path / "runs" / "stop").glob("version_*"):
+        if stale.name != "version_0":
+            shutil.rmtree(stale)
+    code, err = _signal_mid_rollout(first, tmp_path, "started")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    folder = tmp_path / "runs" / "stop" / "version_1"
+    assert err.strip().splitlines()[-1] == (f"stopped by SIGTERM before its first iteration ended: this run ({folder}) "
+                                            f"has no checkpoint to resume from")
+    capsys.readouterr()
+    assert main(["fit", "--config", str(resume), "--ckpt_path=last", "--torch_threads=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --ckpt_path=last: the latest run, {folder}, has no checkpoint (it stopped before its first iteration "
+        f"ended); an earlier run's is {older}: give --ckpt_path explicitly")
+
+
+@pytest.mark.slow
+def test_a_stop_during_an_update_ends_its_iteration_first(tiny_model_path, tmp_path, capsys):
+    """SIGTERM while iteration 2 updates (sent from the policy loss): the update is not cut half way; the iteration
+    ends, its checkpoint is saved, and the run stops with 143 naming it."""
+    config = _stop_config(tmp_path, tiny_model_path, "{class_path: ragen_pl.envs.bandit.Bandit}", 6)
+    code = main(["fit", "--config", str(config), "--model.policy_loss=tests.test_faults.SigtermLoss",
+                 "--torch_threads=1"])
+    last = tmp_path / "runs" / "stop" / "version_0" / "checkpoints" / "last.ckpt"
+    assert code == 128 + 15
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"stopped by SIGTERM; resume with --ckpt_path={last}"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 2  # the interrupted update finished and counted
+
+
+@pytest.mark.parametrize("failure", ["missing checkpoint", "every env fails"])
+def test_a_run_that_fails_to_start_leaves_no_run_folder(tiny_model_path, tmp_path, capsys, monkeypatch, failure):
+    """A command refused after it claimed its run folder (a checkpoint that does not exist; an env that fails every
+    trajectory of the first iteration) removes that folder: no empty version_N is left to be taken for a run."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    extra = ([f"--ckpt_path={tmp_path / 'missing.ckpt'}"] if failure == "missing checkpoint" else
+             ["--data.env=tests.test_faults.RaisingEnv", "--trainer.limit_val_batches=0"])
+    code = main(_fit_args(tiny_model_path, tmp_path, 2, *extra))
+    assert code == 2 and "error:" in capsys.readouterr().err
+    assert not list((tmp_path / "runs" / "bandit").glob("version_*"))
+
+
+class FlakyBandit(Bandit):
+    """Bandit whose resets of odd seeds from ``fail_from`` on raise (an env server that drops some episodes)."""
+
+    def __init__(self, fail_from: int = 0, tag: str | None = None) -> None:
+        super().__init__(tag=tag)
+        self.fail_from = fail_from
+
+    def reset(self, seed):
+        if seed >= self.fail_from and seed % 2:
+            raise RuntimeError(f"seed {seed} is odd")
+        return super().reset(seed)
+
+
+@pytest.mark.slow
+def test_failed_episodes_are_counted_where_the_user_looks(tiny_model_path, tmp_path, caplog, monkeypatch, recwarn):
+    """An env failing on odd seeds: the evaluation line averages over the episodes it counts and says how many of how
+    many failed; one warning names the env and its first error; the progress metrics count them (2 of 4 a rollout,
+    the odd group). At the default ceiling (half) the run goes on."""
+    import logging
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    with caplog.at_level(logging.INFO):
+        code = main(_fit_args(tiny_model_path, tmp_path, 2, "--data.env=tests.test_faults.FlakyBandit",
+                              "--data.val_envs=[tests.test_faults.FlakyBandit]", "--data.val_episodes=4",
+                              "--trainer.val_check_interval=1"))
+    assert code == 0
+    text = [r.getMessage() for r in caplog.records]
+    evals = [m for m in text if m.startswith("val/FlakyBandit: success")]
+    assert evals and all(m.endswith("over 2 episodes; 2 of 4 episodes failed and are not counted") for m in evals)
+    warned = [str(w.message) for w in recwarn if "episodes fail (" in str(w.message)]
+    assert len(warned) == 1 and warned[0].endswith(  # the step-0 evaluation plays first
+        "the first: seed 1000001: reset: RuntimeError: seed 1000001 is odd"), warned
+    with open(next((tmp_path / "runs" / "bandit").glob("version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/failed")]
+    assert [(float(r["rollout/failed"]), float(r["rollout/played"])) for r in rows] == [(2.0, 4.0), (2.0, 4.0)]
+
+
+@pytest.mark.slow
+def test_more_failed_episodes_than_the_ceiling_stop_the_run_with_a_checkpoint(tiny_model_path, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Odd seeds fail from seed 4 on: iterations 1 and 2 (seeds 0-3) train; the third loses half its episodes, more
+    than `--data.max_failed_share=0.25`: one line, exit 2, and the checkpoint of the 2 completed iterations with the
+    failed rollout undone."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    code = main(_fit_args(tiny_model_path, tmp_path, 5, "--data.env=tests.test_faults.FlakyBandit",
+                          "--data.env.init_args.fail_from=4", "--data.max_failed_share=0.25",
+                          "--trainer.limit_val_batches=0"))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and err == ["error: 2 of 4 episodes failed (training iteration 2), more than "
+                                 "--data.max_failed_share=0.25; the envs said: FlakyBandit: reset: RuntimeError: "
+                                 "seed 5 is odd (x2)"], err
+    last = next((tmp_path / "runs" / "bandit").glob("version_*/checkpoints/last.ckpt"))
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 2 and saved["RolloutDataModule"]["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_resuming_with_other_data_settings_lists_them_in_one_notice(tiny_model_path, tmp_path, recwarn):
+    """The data settings apply as given on resume (an env or a group count may change on purpose), but never without a
+    word: one warning lists each changed flag with both values."""
+    assert main(_fit_args(tiny_model_path, tmp_path, 2)) == 0
+    assert main(_fit_args(tiny_model_path, tmp_path, 3, "--ckpt_path=last", "--data.n_groups=4",
+                          "--data.env=ragen_pl.envs.sokoban.Sokoban")) == 0
+    notices = [str(w.message) for w in recwarn if "with other data settings" in str(w.message)]
+    assert len(notices) == 1, notices
+    assert "--data.n_groups: 2 -> 4" in notices[0]
+    assert '--data.env.class_path: "ragen_pl.envs.bandit.Bandit" -> "ragen_pl.envs.sokoban.Sokoban"' in notices[0]
+
+
+def test_a_variance_filter_with_groups_of_one_is_refused(tiny_model_path, capsys):
+    """With one trajectory a group every group's reward std is 0: the variance filter would keep an arbitrary share."""
+    code = main(_fit_args(tiny_model_path, Path("/nonexistent"), 2, "--data.group_size=1"))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == [
+        "error: `--data.group_size=1`: a group of one trajectory has no reward spread, so `--data.filter` VarianceTopP "
+        "would keep an arbitrary share of the groups; use --data.group_size >= 2 or --data.filter=none"]
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--model.optim.actor_lr=nan", "error: --model.optim.actor_lr: must be a finite number, got nan"),
+    ("--model.ppo.entropy_coeff=inf", "error: --model.ppo.entropy_coeff: must be a finite number, got inf"),
+    ("--data.rolout.temperature=0.7", "error: unrecognized argument '--data.rolout.temperature=0.7'. Did you mean "
+                                      "'--data.rollout.temperature'?"),
+])
+def test_a_non_finite_rate_and_a_misspelt_nested_flag_are_named(flag, expected, capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), flag, "--print_config"])
+    assert capsys.readouterr().err.splitlines()[0] == expected

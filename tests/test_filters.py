@@ -57,10 +57,10 @@ def test_rank_by_length_and_entropy():
     assert VarianceTopP(rank_by="length", top_p=0.5).select(b).tolist() == [False, True]
     b.old_logprobs = torch.where(b.loss_mask, torch.tensor(-2.0), torch.tensor(-100.0))
     b.old_logprobs[:2] = torch.where(b.loss_mask[:2], -0.5, -100.0)
-    assert group_metric(b, "entropy").tolist() == [0.5, 2.0]
+    assert group_metric(b, "sampled_nll").tolist() == [0.5, 2.0]
     b.old_logprobs = None
-    with pytest.raises(ValueError, match="rank_by='entropy' needs `old_logprobs`"):
-        VarianceTopP(rank_by="entropy").select(b)
+    with pytest.raises(ValueError, match="rank_by='sampled_nll' needs `old_logprobs`"):
+        VarianceTopP(rank_by="sampled_nll").select(b)
 
 
 @settings(max_examples=80, deadline=None)
@@ -167,12 +167,12 @@ def test_group_scores_hand_derived():
                                torch.tensor([(1 / 3) ** 0.5, 3 ** 0.5], dtype=torch.float64))  # unbiased std
     torch.testing.assert_close(group_scores(stats, "reward"), torch.tensor([1 / 3, 3.0], dtype=torch.float64))
     torch.testing.assert_close(group_scores(stats, "reward_sum"), torch.tensor([1.0, 9.0], dtype=torch.float64))
-    torch.testing.assert_close(group_scores(stats, "entropy"), torch.tensor([2.0, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(group_scores(stats, "entropy_variance"), torch.tensor([3 ** 0.5, 0.0],
+    torch.testing.assert_close(group_scores(stats, "sampled_nll"), torch.tensor([2.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(group_scores(stats, "sampled_nll_variance"), torch.tensor([3 ** 0.5, 0.0],
                                                                                       dtype=torch.float64))
     torch.testing.assert_close(group_scores(stats, "length"), torch.tensor([5.0, 2.0], dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"`metric: entropy` needs the rollout's log-probs"):
-        group_scores(TrajectoryStats(stats.scores, stats.group_ids, stats.lengths), "entropy")
+    with pytest.raises(ValueError, match=r"`metric: sampled_nll` needs the rollout's log-probs"):
+        group_scores(TrajectoryStats(stats.scores, stats.group_ids, stats.lengths), "sampled_nll")
 
 
 def test_snr_loss_scaling_and_settings():
@@ -201,3 +201,16 @@ def test_loss_scaling_scales_the_advantages():
         return batch.advantages
 
     torch.testing.assert_close(advantages(0.25), 0.25 * advantages(1.0))
+
+
+def test_the_nll_metrics_are_named_for_what_they_are():
+    """RAGEN-2's `entropy` metrics read the exact token entropy; these read the sampled tokens' negative
+    log-likelihood, so they carry its name, and RAGEN-2's names are refused rather than silently meaning another
+    figure."""
+    from ragen_pl.filters import SNR
+
+    for name in ("entropy", "entropy_variance"):
+        with pytest.raises(ValueError, match=r"`--data.filter.metric` must be one of .*sampled_nll.*got '" + name):
+            SNR(metric=name)
+    with pytest.raises(ValueError, match=r"`rank_by` must be one of reward_std, reward_mean, length, sampled_nll"):
+        VarianceTopP(rank_by="entropy")

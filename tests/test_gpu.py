@@ -2,7 +2,6 @@
 including the resume of a sharded FSDP checkpoint. Run with `pytest -m gpu` (`tox -e gpu`) on a CUDA machine."""
 
 import csv
-import math
 import warnings
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from ragen_pl.cli import main
 from ragen_pl.rollout.engine import SamplingParams
 from ragen_pl.rollout.hf import HFEngine
 from tests.helpers import play_turns
+from tests.rollout.test_hf import assert_top_p_logprobs_are_the_nucleus
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -50,21 +50,7 @@ def test_hf_engine_samples_on_cuda_seeded(tiny):
     again.load_state_dict(state)
     again.bind(model, tok)
     assert [g.token_ids for g in again.generate(prompts, params)] == [g.token_ids for g in expected]
-    # Recorded log-probs are those of the nucleus the token came from: log p - log(nucleus mass), so between the
-    # full distribution's log p and log p - log(top_p), and equal to it with the nucleus recomputed here.
-    exact, total = 0, 0
-    for prompt, gen in zip(prompts, runs[0]):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + gen.token_ids], device="cuda")).logits[0, len(prompt) - 1:-1]
-        logp = torch.log_softmax(logits.float(), -1)
-        lp = logp.gather(-1, torch.tensor(gen.token_ids, device="cuda")[:, None]).squeeze(-1)
-        probs = logp.exp().sort(-1, descending=True).values
-        mass = (probs * (probs.cumsum(-1) - probs < params.top_p)).sum(-1)  # the nucleus: mass before it < top_p
-        recorded = torch.tensor(gen.logprobs, device="cuda")
-        assert (recorded >= lp - 1e-3).all() and (recorded <= lp - math.log(params.top_p) + 1e-3).all()
-        exact += int(((recorded - (lp - mass.log())).abs() < 1e-3).sum())
-        total += len(gen.token_ids)
-    assert exact >= 0.95 * total, (exact, total)  # a token at the nucleus' edge may fall the other side in a replay
+    assert_top_p_logprobs_are_the_nucleus(model, tok, "cuda")
 
 
 def _graphs_match_eager(model, tok, prompts, params):
@@ -162,8 +148,9 @@ def test_fit_and_resume_on_one_gpu(strategy, tiny_model_path, tmp_path, monkeypa
     rows = [r for r in _metrics(tmp_path / "runs") if r.get("loss/policy")]
     assert len(rows) == 2 and all(float(r["train/optimizer_steps"]) >= 1 for r in rows)
     assert all(torch.isfinite(torch.tensor(float(r["loss/policy"]))) for r in rows)
-    if strategy in ("single", "ddp"):  # an unsharded policy on one GPU samples through CUDA graphs
-        assert graph_calls and all(graph_calls), graph_calls
+    # Every strategy samples through CUDA graphs: an unsharded policy itself, a sharded one (FSDP1, FSDP2) through
+    # its unsharded copy (`engine.gather_sharded`).
+    assert graph_calls and all(graph_calls), (strategy, graph_calls)
     last = next((tmp_path / "runs").rglob("last.ckpt"))
     assert main([*base, "--trainer.max_steps=3", f"--ckpt_path={last}"]) == 0
     resumed = [r for r in _metrics(tmp_path / "runs") if r.get("loss/policy")]

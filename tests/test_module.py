@@ -117,7 +117,7 @@ def test_data_config_errors(tiny_model_path):
 
 def test_grpo_needs_groups_of_two(tiny_model_path):
     module = RagenModule(str(tiny_model_path), advantage=GRPO())
-    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=1)
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=1, filter=NoFilter())  # (a variance filter refuses it)
     with pytest.raises(ValueError, match=r"`--data.group_size` must be >= 2 for GRPO, got 1"):
         trainer(1).fit(module, dm)
 

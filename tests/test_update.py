@@ -165,11 +165,15 @@ def test_off_policy_correction_hand_derived():
 
 def test_off_policy_correction_in_an_update_changes_the_gradient_as_the_weights_say():
     """A two-layer model: with the sampler's log-probs 1 nat below the trainer's on one row (ratio e, capped at 2),
-    that row's policy gradient doubles; masking it (mean ratio e > 2) removes it."""
+    that row's policy gradient doubles; masking it (mean ratio e > 2) removes it: with advantage 0 and its tokens kept
+    in the token-mean's denominator (``zero_advantage``), the others' gradient as it was; taken out of the mask, as
+    verl's rollout correction does (``excluded``, the default), the others' gradient over their own tokens only:
+    scaled by (all tokens) / (the other rows' tokens)."""
     model = TwoLayer()
     batch = two_turn_batch()
     grads = {}
-    for name, cfg in {"off": {}, "tis": dict(tis_cap=2.0), "mis": dict(mis_bound=2.0)}.items():
+    for name, cfg in {"off": {}, "tis": dict(tis_cap=2.0), "mis": dict(mis_bound=2.0),
+                      "mis_zero": dict(mis_bound=2.0, mis_rejected="zero_advantage")}.items():
         m = copy.deepcopy(model)
         b = copy.deepcopy(batch)
         update = StarPOUpdate(GRPO(scale="none"), PPOConfig(mini_batch_size=4, micro_batch_size=4, entropy_coeff=0.0,
@@ -200,7 +204,10 @@ def test_off_policy_correction_in_an_update_changes_the_gradient_as_the_weights_
     others = row_grad([0, 1, 2], 1.0)
     torch.testing.assert_close(grads["off"], others + row_grad([3], 1.0), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grads["tis"], others + row_grad([3], 2.0), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(grads["mis"], others, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads["mis_zero"], others, atol=1e-6, rtol=1e-5)
+    tokens = batch.loss_mask.sum()
+    torch.testing.assert_close(grads["mis"], others * tokens / batch.loss_mask[:3].sum(), atol=1e-6, rtol=1e-5)
+    assert batch.loss_mask[3].sum() > 0  # (so the two rules differ)
 
 
 @pytest.mark.parametrize("sampling", [dict(top_k=5), dict(top_p=0.6), dict(top_k=20, top_p=0.7)],

@@ -420,6 +420,7 @@ def test_only_a_sharded_model_sampling_itself_keeps_ranks_in_lockstep(tiny, monk
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # as if another rank ran beside this one
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     prompts = [tok("State: #_")["input_ids"], tok("State:")["input_ids"]]
     params = SamplingParams(temperature=0.0, max_new_tokens=5, stop=[], ignore_eos=True)
@@ -450,3 +451,38 @@ def test_each_rank_samples_its_own_stream(tiny, monkeypatch):
         drawn.append([g.token_ids for g in engine.generate(prompts, params)])
     assert drawn[0] == drawn[2]  # a rank's stream is reproducible
     assert drawn[0] != drawn[1]
+
+
+def assert_top_p_logprobs_are_the_nucleus(model, tok, device: str) -> None:
+    """The log-prob a top-p sampler records is that of the nucleus it drew from: ``log p - log(nucleus mass)``, the
+    mass recomputed here. At temperature 0.1 the distribution is peaked, so the nucleus' mass is far from ``top_p``
+    itself on most tokens (checked), and the positive control, the wrong normaliser ``log p - log(top_p)``, fails the
+    same check: a flat distribution (the tiny model's at temperature 1) cannot tell the two apart."""
+    import math
+
+    params = SamplingParams(temperature=0.1, top_p=0.7, max_new_tokens=16, stop=[])
+    prompts = [tok("Turn 1:\nState:\n" + "#_" * k)["input_ids"] for k in range(1, 9)]
+    engine = HFEngine(seed=3)
+    engine.bind(model, tok)
+    gens = engine.generate(prompts, params)
+    exact = wrong = apart = total = 0
+    for prompt, gen in zip(prompts, gens):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen.token_ids], device=device)).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float() / params.temperature, -1)
+        lp = logp.gather(-1, torch.tensor(gen.token_ids, device=device)[:, None]).squeeze(-1)
+        probs = logp.exp().sort(-1, descending=True).values
+        mass = (probs * (probs.cumsum(-1) - probs < params.top_p)).sum(-1)  # the nucleus: mass before it < top_p
+        recorded = torch.tensor(gen.logprobs, device=device)
+        exact += int(((recorded - (lp - mass.log())).abs() < 1e-3).sum())
+        wrong += int(((recorded - (lp - math.log(params.top_p))).abs() < 1e-3).sum())
+        apart += int(((mass.log() - math.log(params.top_p)).abs() > 1e-2).sum())
+        total += len(gen.token_ids)
+    assert apart >= 0.5 * total, (apart, total)  # the two normalisers differ by more than the tolerance
+    assert exact >= 0.95 * total, (exact, total)  # a token at the nucleus' edge may fall the other side in a replay
+    assert wrong <= 0.5 * total, (wrong, total)  # the positive control: dividing by top_p is told apart
+
+
+def test_top_p_logprobs_are_the_nucleus_on_a_peaked_distribution(tiny):
+    model, tok = tiny
+    assert_top_p_logprobs_are_the_nucleus(model.eval(), tok, "cpu")
