@@ -106,7 +106,6 @@ def notice_changed_data(checkpoint: Path, cfg) -> None:
 def last_checkpoint(root: Path, exclude: list[Path] = ()) -> Path:
     """The ``last.ckpt`` of the latest run under ``root`` (see :func:`resolve_checkpoint`)."""
     from ragen_pl.checkpoint import CheckpointError, find_last
-
     from ragen_pl.runs import in_use
 
     skip = {Path(p).resolve() for p in exclude}
