@@ -23,14 +23,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from ragen_pl.config import RolloutConfig, check_int, check_number
-from ragen_pl.dist import gather_rows, max_over_processes, process_count, sum_over_processes
+from ragen_pl.dist import gather_objects, gather_rows, max_over_processes, sum_over_processes
 from ragen_pl.envs.base import Env
 from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
@@ -383,11 +382,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """The env seed counter and the engine's sampling state: every rank's (each samples its own stream), gathered
         from all ranks. Lightning calls this on every rank when it saves and writes rank 0's copy."""
         state: dict[str, Any] = {"iteration": self.iteration}
-        engine = self.engine.state_dict()
-        by_rank = [engine]
-        if process_count() > 1:
-            by_rank = [None] * process_count()
-            dist.all_gather_object(by_rank, engine)
+        by_rank = gather_objects(self.engine.state_dict())
         state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
         state["engine_by_rank"] = by_rank
         return state

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_rows", "is_sharded", "max_over_processes", "mean_over_ranks", "process_count", "process_rank",
+__all__ = ["gather_objects", "gather_rows", "is_sharded", "max_over_processes", "mean_over_ranks", "process_count", "process_rank",
            "sum_over_processes"]
 
 
@@ -74,6 +75,15 @@ def gather_rows(t: Tensor, device: torch.device | str = "cpu") -> list[Tensor]:
     return [x.cpu() for x in gather_all_tensors(t.to(device))]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (picklable), in rank order; ``[obj]`` on one process."""
+    if process_count() == 1:
+        return [obj]
+    gathered: list = [None] * process_count()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str, float], default_weight: float
                     ) -> dict[str, float]:
     """Each metric averaged over the processes that report it, each process weighted by what its value averages
@@ -87,8 +97,7 @@ def mean_over_ranks(metrics: Mapping[str, float | Tensor], weights: Mapping[str,
     world = process_count()
     if world == 1:
         return mine
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (mine, {k: float(weights.get(k, default_weight)) for k in mine}))
+    gathered = gather_objects((mine, {k: float(weights.get(k, default_weight)) for k in mine}))
     sums: dict[str, float] = defaultdict(float)
     total: dict[str, float] = defaultdict(float)
     for values, weight in gathered:

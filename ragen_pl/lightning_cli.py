@@ -18,8 +18,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from ragen_pl.cli_parser import RagenArgumentParser, check_config_files, own_reason
 from ragen_pl.data import RolloutDataModule
 from ragen_pl.errors import ConfigError, RolloutError
+from ragen_pl.models.smollm2 import warn_warm_layout
 from ragen_pl.module import RagenModule
-from ragen_pl.notices import hide_lightning_tips, warn_slow_precision, warn_warm_layout
+from ragen_pl.notices import hide_lightning_tips, warn_slow_precision
 from ragen_pl.registry import PluginLoadError
 from ragen_pl.resume import resolve_checkpoint
 from ragen_pl.runs import (

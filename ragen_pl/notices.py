@@ -1,11 +1,12 @@
-"""What a run says at its start besides its progress: one-line warnings for a setup that runs but poorly (a warm start
-taught another prompt layout, bf16 on a CPU without bf16 instructions), and nothing of Lightning's advertisements."""
+"""What a run says at its start besides its progress: a one-line warning for a setup that runs but poorly (bf16 on a
+CPU without bf16 instructions), and nothing of Lightning's advertisements. (A warm start taught another prompt layout:
+:func:`ragen_pl.models.smollm2.warn_warm_layout`.)"""
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["hide_lightning_tips", "warn_slow_precision", "warn_warm_layout"]
+__all__ = ["hide_lightning_tips", "warn_slow_precision"]
 
 
 class _NoTips(logging.Filter):
@@ -19,19 +20,6 @@ def hide_lightning_tips() -> None:
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoTips) for f in logger.filters):
         logger.addFilter(_NoTips())
-
-
-def warn_warm_layout(model, datamodule) -> None:
-    """A SmolLM2 warm start run in a prompt layout it was not taught (another turn header, window or action budget)
-    still runs, but reads prompts it never saw: say so in one line."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    from ragen_pl.models.smollm2 import warm_layout_mismatch
-
-    name, rollout = getattr(model, "hparams", {}).get("model"), getattr(datamodule, "rollout_config", None)
-    problem = warm_layout_mismatch(name, rollout) if isinstance(name, str) and rollout is not None else None
-    if problem:
-        rank_zero_warn(problem)
 
 
 def warn_slow_precision(trainer) -> None:

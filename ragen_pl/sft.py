@@ -195,6 +195,9 @@ def sft(model_path: str | Path, records: list[dict], out: str | Path, steps: int
     loader = DataLoader(data, batch_size=batch_size // accumulate, shuffle=True, collate_fn=_collate(pad),
                         drop_last=False)
     module = SFTModule(model, lr=lr)
+    from ragen_pl.notices import hide_lightning_tips
+
+    hide_lightning_tips()
     trainer = pl.Trainer(max_steps=steps, max_epochs=-1, accumulate_grad_batches=accumulate,
                          logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=progress, accelerator="auto", devices=1,

@@ -127,8 +127,7 @@ def test_a_warm_start_in_another_prompt_layout_is_named_in_one_line():
     """The layout a SmolLM2 warm start was taught against the config's: each differing field is named with both
     values; a matching layout, another model and a path say nothing. A fit warns with that line."""
     from ragen_pl.config import RolloutConfig
-    from ragen_pl.models.smollm2 import SMOLLM2_WARM, warm_layout_mismatch
-    from ragen_pl.notices import warn_warm_layout
+    from ragen_pl.models.smollm2 import SMOLLM2_WARM, warm_layout_mismatch, warn_warm_layout
 
     taught = RolloutConfig(**SMOLLM2_WARM["frozenlake"].rollout)
     assert warm_layout_mismatch(f"{SMOLLM2}-warm-frozenlake", taught) is None

