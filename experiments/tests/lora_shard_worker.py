@@ -2,8 +2,6 @@
 CPU)."""
 
 import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -18,30 +16,18 @@ def turn_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from ragen_pl_experiments.readout import FEATURE_SCALE, SHARED_DIRECTIONS, ReadoutHead, turn_directions
     from ragen_pl_experiments.update import ReadoutUpdate
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
     from ragen_pl.advantages import GRPO
-    from ragen_pl.config import LoraSettings, PPOConfig
-    from ragen_pl.lora import add_lora
+    from ragen_pl.config import PPOConfig
     from ragen_pl.policy import Models, policy_state_dict
     from ragen_pl.scoring import scored_positions
     from ragen_pl.types import TrajectoryBatch
+    from tests.lora_shard_worker import merged_slice, sharded_lora_policy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    lora = LoraSettings(r=4, alpha=8, target_modules=["lm_head", "q_proj", "down_proj"])
     hook = ReadoutHead(center=2, whiten=True)
-    policy = hook.after_load(add_lora(AutoModelForCausalLM.from_pretrained(model_path), lora), None)
-    with torch.no_grad():  # trained-looking adapters, the same on every rank
-        gen = torch.Generator().manual_seed(0)
-        for name, p in policy.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    for layer in policy.get_base_model().model.layers:
-        fully_shard(layer)
-    fully_shard(policy)
-    policy.train()
+    policy = sharded_lora_policy(model_path, [hook]).train()
     ids = torch.randint(3, 100, (2, 6 + 3 * rank), generator=torch.Generator().manual_seed(10 + rank))
     attn = torch.ones_like(ids, dtype=torch.bool)
     mask = attn.clone()
@@ -62,12 +48,11 @@ def main(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump({"directions": getattr(head_a, SHARED_DIRECTIONS).tolist(), "moment": (h.T @ h).tolist(),
                    "rows": h.shape[0], "scale": getattr(head_a, FEATURE_SCALE).tolist(), "by_turn": by_turn.tolist(),
-                   "merged": {k: v.tolist() for k, v in merged.items() if "lm_head" in k or "layers.0.self_attn.q"
-                              in k or "layers.1.mlp.down" in k}}, f)
+                   "merged": merged_slice(merged)}, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
-    sys.stderr.flush()
-    os._exit(0)  # as tests/sharded_sampling_worker.py: the gloo group's threads can outlive finalization
+    from tests.lora_shard_worker import run
+
+    run(main)

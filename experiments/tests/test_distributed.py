@@ -49,7 +49,7 @@ def _two_workers(script: str, model_path, tmp_path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # the core tests' worker helpers
     procs = [subprocess.Popen([sys.executable, str(HERE / script), str(rank), "2", str(port), str(model_path),
                                str(tmp_path / f"rank{rank}.json")], cwd=ROOT, env=env, stderr=subprocess.PIPE,
                               text=True) for rank in range(2)]
