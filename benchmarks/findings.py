@@ -165,7 +165,7 @@ def alarm_steps(metrics: Path) -> list[int]:
     """Iterations (1-based, as the table's other columns) at which the Echo Trap alarm (its current defaults) fires
     on a run's logged metrics, replayed as ``benchmarks/echo_trap.py`` does (a step's rows merged; a record kept with
     the alarm's columns only will do)."""
-    from echo_trap import load, replay
+    from benchmarks.echo_trap import load, replay
 
     from ragen_pl.echo_trap import EchoTrapAlarm
 

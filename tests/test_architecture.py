@@ -92,6 +92,26 @@ def test_code_never_puts_a_folder_on_sys_path_to_import_a_sibling():
     assert not found, found
 
 
+def test_benchmarks_import_each_other_as_modules_of_their_package():
+    """A benchmark importing a sibling by its bare name (``from echo_trap import ...``) works only with the folder on
+    sys.path: it must be ``benchmarks.echo_trap``."""
+    bare = []
+    for folder in (ROOT / "benchmarks", ROOT / "experiments" / "ragen_pl_experiments" / "research"):
+        bare += _bare_sibling_imports(folder)
+    assert not bare, bare
+
+
+def _bare_sibling_imports(folder: Path) -> list[str]:
+    siblings = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    bare = []
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            bare += [f"{path.name}: {n}" for n in names if n.split(".")[0] in siblings]
+    return bare
+
+
 def test_every_library_module_says_its_job():
     """One job per file: each module of the library opens with a docstring that says what it is for."""
     missing = [name for name, path in _modules().items()
