@@ -166,7 +166,6 @@ def alarm_steps(metrics: Path) -> list[int]:
     on a run's logged metrics, replayed as ``benchmarks/echo_trap.py`` does (a step's rows merged; a record kept with
     the alarm's columns only will do)."""
     from benchmarks.echo_trap import load, replay
-
     from ragen_pl.echo_trap import EchoTrapAlarm
 
     return sorted(step + 1 for step in replay(load(metrics), EchoTrapAlarm()).fired.values())

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ragen_pl.errors import ConfigError
+from ragen_pl.registry import class_path
 
 
 class CheckpointError(ConfigError):
@@ -213,7 +214,7 @@ def model_differences(saved: dict[str, Any], given: dict[str, Any], prefix: str 
         new, flag = given[key], f"{prefix}.{key}"
         if key in COMPONENTS:  # saved as the class path; the config has {class_path, init_args} (or the class)
             new = new.get("class_path") if isinstance(new, dict) else new
-            new = f"{new.__module__}.{new.__qualname__}" if isinstance(new, type) else new
+            new = class_path(new) if isinstance(new, type) else new
         if isinstance(old, dict) and isinstance(new, dict):
             out += model_differences(old, new, flag)
         elif _plain(old) != _plain(new):

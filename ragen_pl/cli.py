@@ -92,7 +92,7 @@ def install_entry_name_resolver() -> None:
             for group in groups:
                 info = registry.load_plugins()[group].get(name)
                 if info is not None:
-                    return f"{info.cls.__module__}.{info.cls.__qualname__}"
+                    return registry.class_path(info.cls)
             resolved = original(cls, name)
             if "." not in resolved:  # neither an entry name nor a known class name: list the valid ones
                 from ragen_pl.cli_parser import did_you_mean

@@ -143,8 +143,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self._last: RolloutBatch | None = None
         self._steps_since_rollout = 0
         self._unfinished: tuple[int, dict[str, Any]] | None = None
-        self._warned_failures: set[str] = set()
         """The training step the latest fresh rollout is for, and the state before it (:meth:`rewind_unfinished_rollout`)."""
+        self._warned_failures: set[str] = set()
+        """The env tags whose failed episodes were warned of (once each)."""
         self.collector: Collector | None = None
         self.eval_results: dict[str, RolloutResult] = {}
         """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
@@ -221,7 +222,8 @@ class RolloutDataModule(pl.LightningDataModule):
         metrics = rollout_metrics(result.episodes, by_tag=self.by_tag)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
-        failed, played = self._check_failures(result, f"trajectory of training iteration {self.iteration - 1}")
+        where = f"training iteration {self.iteration - 1}"
+        failed, played = self._check_failures(result, f"trajectory of {where}", where)
         metrics["rollout/failed"], metrics["rollout/played"] = torch.tensor(failed), torch.tensor(played)
         batch = result.batch
         if batch is None:  # every episode of this rank failed, not of all (else _check_failures said so)
@@ -333,7 +335,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
         result = self._collect(specs, temperature=self.val_temperature)
-        failed, played = self._check_failures(result, f"{prefix} episode of env {env.tag!r}")
+        failed, played = self._check_failures(result, f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         share = f" (rank 0's share; the logged value averages all {self.world[1]} ranks)" if self.world[1] > 1 else ""
         counted = sum(ep.failed is None for ep in result.episodes)  # what the success share averages
@@ -343,10 +345,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self.eval_results[env.tag] = result
         return metrics
 
-    def _check_failures(self, result: RolloutResult, what: str) -> tuple[float, float]:
+    def _check_failures(self, result: RolloutResult, what: str, where: str) -> tuple[float, float]:
         """Count the failed episodes of ``result`` over every process (every rank plays its share at the same point);
-        warn once per env with its first error; stop the run in one line (:class:`RolloutError`) when every episode
-        failed or more than ``max_failed_share`` of them did. Returns (failed, played) over every process."""
+        warn once per env with its first error; stop the run in one line (:class:`RolloutError`) when every ``what``
+        failed or more than ``max_failed_share`` of them did (in ``where``). Returns (failed, played) over every
+        process."""
         mine = [ep for ep in result.episodes if ep.failed is not None]
         trainer = getattr(self, "trainer", None)
         device = trainer.strategy.root_device if trainer is not None else "cpu"
@@ -360,7 +363,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if played and failed == played:
             raise RolloutError(f"every {what} failed; {_failures(result)}")
         if played and failed / played > self.max_failed_share:
-            raise RolloutError(f"{int(failed)} of {int(played)} episodes failed ({what.split(' of ', 1)[-1]}), more "
+            raise RolloutError(f"{int(failed)} of {int(played)} episodes failed ({where}), more "
                                f"than --data.max_failed_share={self.max_failed_share:g}; {_failures(result)}")
         return failed, played
 

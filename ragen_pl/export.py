@@ -70,9 +70,10 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
         from ragen_pl.lora import add_lora
 
         policy = add_lora(policy, lora_from_saved(lora))
+    tokenizer = AutoTokenizer.from_pretrained(base)
     hooks = hooks_from_hparams(hparams)
     for hook in hooks:
-        policy = hook.after_load(policy, AutoTokenizer.from_pretrained(base))
+        policy = hook.after_load(policy, tokenizer)
     missing, unexpected = policy.load_state_dict(_policy_weights(state), strict=False)
     # Tied output embeddings may be absent from the saved keys; anything else missing is a wrong checkpoint.
     missing = [k for k in missing if not k.endswith("lm_head.weight")]
@@ -84,7 +85,7 @@ def export(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
             policy = policy.merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

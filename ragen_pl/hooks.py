@@ -42,10 +42,7 @@ class ModelHook:
 
 def hooks_from_hparams(hparams: dict[str, Any]) -> list[ModelHook]:
     """The hooks a checkpoint's ``hyper_parameters`` recorded (``hooks``: class paths and constructor arguments)."""
-    from ragen_pl.registry import import_target
+    from ragen_pl.registry import import_class_path
 
-    built = []
-    for saved in hparams.get("hooks") or []:
-        module, _, attr = saved["class_path"].rpartition(".")
-        built.append(import_target(f"{module}:{attr}")(**(saved.get("init_args") or {})))
-    return built
+    return [import_class_path(saved["class_path"])(**(saved.get("init_args") or {}))
+            for saved in hparams.get("hooks") or []]

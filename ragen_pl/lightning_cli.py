@@ -45,8 +45,10 @@ TRAINER_DEFAULTS = {
 
 
 class RagenCLI(LightningCLI):
-    claimed: list[Path] = []
-    """The run folders this command claimed (run_lightning_cli gives each command its own list)."""
+    def __init__(self, *args: Any, claimed: list[Path] | None = None, **kwargs: Any) -> None:
+        self.claimed = claimed if claimed is not None else []
+        """The run folders this command claimed (the caller's list, which outlives a command that raises)."""
+        super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}"])
@@ -149,7 +151,7 @@ def run_lightning_cli(argv: list[str]) -> int:
     previous = stop_on_signals()
     claimed: list[Path] = []  # the run folder this command claims (RagenCLI.instantiate_trainer)
     try:
-        type("RunCLI", (RagenCLI,), {"claimed": claimed})(
+        RagenCLI(
             RagenModule,
             RolloutDataModule,
             args=argv,
@@ -157,6 +159,7 @@ def run_lightning_cli(argv: list[str]) -> int:
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
+            claimed=claimed,
         )
     except (ConfigError, PluginLoadError, RolloutError) as err:
         # The user's setup, not a bug: one line naming the field, file or env, not a traceback.

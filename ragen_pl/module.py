@@ -40,6 +40,7 @@ from ragen_pl.errors import ConfigError
 from ragen_pl.hooks import ModelHook, hooks_from_hparams
 from ragen_pl.losses import PolicyLoss
 from ragen_pl.policy import Models, load_models, policy_state_dict, shard
+from ragen_pl.registry import class_path, import_class_path
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.signals import allow_stop, defer_stop
 from ragen_pl.types import TrajectoryBatch
@@ -151,21 +152,15 @@ class RagenModule(pl.LightningModule):
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], **overrides: Any) -> RagenModule:
         """A module from a checkpoint's ``hyper_parameters`` (plain values: components by class path and args)."""
-        from ragen_pl.registry import import_target
-
         kwargs = {k: v for k, v in {**hparams, **overrides}.items()
                   if k in inspect.signature(cls.__init__).parameters}
-        def build(path: str) -> Any:
-            module, _, attr = path.rpartition(".")
-            return import_target(f"{module}:{attr}")
-
         for name in ("advantage", "policy_loss"):
             path = kwargs.get(name)
             if isinstance(path, str):
-                kwargs[name] = build(path)(**(hparams.get(f"{name}_args") or {}))
+                kwargs[name] = import_class_path(path)(**(hparams.get(f"{name}_args") or {}))
         kwargs["hooks"] = hooks_from_hparams(hparams)
         if isinstance(kwargs.get("updater"), str):
-            kwargs["updater"] = partial(build(kwargs["updater"]), **(hparams.get("updater_args") or {}))
+            kwargs["updater"] = partial(import_class_path(kwargs["updater"]), **(hparams.get("updater_args") or {}))
         return cls(**kwargs)
 
     @property
@@ -354,25 +349,22 @@ class RagenModule(pl.LightningModule):
 
 
 def _class_path(obj: object) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return class_path(type(obj))
 
 
 def _init_args(obj: object) -> dict[str, Any]:
     """The plain-valued constructor arguments an object keeps as attributes (for the checkpoint's hparams): numbers,
     strings, None and lists of them."""
     plain = (bool, int, float, str, type(None))
-    names = [n for n in inspect.signature(type(obj).__init__).parameters if n != "self"]
+    names = [n for n in inspect.signature(type(obj).__init__).parameters if n != "self" and hasattr(obj, n)]
     out = {}
     for n in names:
-        value = getattr(obj, n, _MISSING)
+        value = getattr(obj, n)
         if isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value):
             out[n] = list(value)
         elif isinstance(value, plain):
             out[n] = value
     return out
-
-
-_MISSING = object()
 
 
 __all__ = ["RagenModule"]

@@ -27,7 +27,9 @@ __all__ = [
     "PluginInfo",
     "PluginLoadError",
     "available",
+    "class_path",
     "get",
+    "import_class_path",
     "import_target",
     "load_plugins",
     "resolve",
@@ -74,6 +76,17 @@ def import_target(target: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def class_path(cls: type) -> str:
+    """``module.Class``: how configs and checkpoints name a class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def import_class_path(path: str) -> Any:
+    """The class a ``module.Class`` path names (a checkpoint's saved component)."""
+    module, _, attr = path.rpartition(".")
+    return import_target(f"{module}:{attr}")
 
 
 def _dist_of(ep: EntryPoint) -> tuple[str, str]:

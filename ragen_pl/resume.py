@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ragen_pl.config import OptimConfig, PPOConfig
+from ragen_pl.registry import class_path
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.update import DEFAULT_ADVANTAGE, DEFAULT_POLICY_LOSS, StarPOUpdate
 
@@ -130,7 +131,7 @@ def last_checkpoint(root: Path, exclude: list[Path] = ()) -> Path:
 
 
 def _class_path_of(cls: type):
-    return lambda: f"{cls.__module__}.{cls.__qualname__}"
+    return lambda: class_path(cls)
 
 
 def _dataclass_defaults(cls):

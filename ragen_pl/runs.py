@@ -44,32 +44,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _lock(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.lock"  # beside it: a file inside makes loggers warn the folder is in use
+
+
+def _holder(folder: Path) -> int | None:
+    """The live process other than this one whose lock holds ``folder``, if any."""
+    try:
+        pid = int(_lock(folder).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid and pid != os.getpid() and _alive(pid) else None
+
+
 def in_use(folder: str | os.PathLike) -> bool:
     """Whether another live process holds ``folder`` (:func:`lock_run_folder`): a run in progress, not one that
     stopped (this process's own runs have ended when it asks, or are its own to exclude)."""
-    folder = Path(folder)
-    lock = folder.parent / f".{folder.name}.lock"
-    try:
-        pid = int(lock.read_text().strip() or 0)
-    except (OSError, ValueError):
-        return False
-    return bool(pid) and pid != os.getpid() and _alive(pid)
+    return _holder(Path(folder)) is not None
 
 
 def lock_run_folder(folder: str | os.PathLike) -> None:
     """Hold ``folder`` for this process until it exits; a folder held by a live process is a :class:`ConfigError`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder.parent / f".{folder.name}.lock"  # beside it: a file inside makes loggers warn the folder is in use
+    lock = _lock(folder)
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
-                pid = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
+            pid = _holder(folder)
+            if pid is not None:
                 raise ConfigError(f"run folder {folder} is in use by process {pid}: give this run another version "
                                   f"(or none, to take the next free one)") from None
             lock.unlink(missing_ok=True)  # stale: its process is gone
@@ -93,7 +97,7 @@ def remove_unused_run_folders(folders: list[Path]) -> None:
         checkpoints = any((folder / "checkpoints").glob("*")) if (folder / "checkpoints").is_dir() else False
         if not logged and not checkpoints and not (folder / "samples").exists():
             shutil.rmtree(folder, ignore_errors=True)
-            (folder.parent / f".{folder.name}.lock").unlink(missing_ok=True)
+            _lock(folder).unlink(missing_ok=True)
 
 
 def write_run_info(folder: str | os.PathLike, resumed_from: str | None) -> None:

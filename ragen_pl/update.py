@@ -56,7 +56,7 @@ class MicroLoss(NamedTuple):
 class StarPOUpdate:
     """The update's settings and state (the mini-batch shuffling generator, the count of skipped steps).
 
-    An extension point (``--model.update``, entry-point group ``ragen_pl.updates``): a subclass changes how the
+    An extension point (``--model.updater``, entry-point group ``ragen_pl.updates``): a subclass changes how the
     policy is scored (:meth:`score_policy`, called by :meth:`prepare` and each micro-batch of :meth:`step`) or adds
     work around :meth:`prepare`. It takes no constructor arguments of its own beyond these, which
     :class:`~ragen_pl.module.RagenModule` passes from ``--model.*``; settings of its own come as further keyword
@@ -85,11 +85,13 @@ class StarPOUpdate:
         With one optimiser step per iteration (one epoch, one mini-batch) the weights do not change before every
         micro-batch has been scored, so the detached log-probs of the update's forward are exactly the sampling
         policy's (TRL's GRPO does the same with ``num_iterations=1``). Not when a shared value head needs that
-        forward's values first, or a KL reward needs the old log-probs before the advantages.
+        forward's values first, a KL reward needs the old log-probs before the advantages, or masked importance
+        sampling takes rejected trajectories out of the loss mask before the steps (``mis_rejected=excluded``).
         """
         p = self.ppo
+        excludes = p.mis_bound is not None and p.mis_rejected == "excluded"
         return (p.ppo_epochs == 1 and p.mini_batch_size >= n and models.value_head is None
-                and not (p.kl_coeff > 0 and p.kl_mode == "reward") and p.mis_bound is None)
+                and not (p.kl_coeff > 0 and p.kl_mode == "reward") and not excludes)
 
     def score_policy(self, models: Models, part: TrajectoryBatch, rows: Tensor, *, entropy: bool = False,
                      hidden: bool = False) -> Scores:

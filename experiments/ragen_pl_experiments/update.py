@@ -82,9 +82,9 @@ class ReadoutUpdate(StarPOUpdate):
         self._prepared = None
         try:
             metrics = super().prepare(batch, models)
-            reads, self._reads = self._reads, None
+            reads = self._reads
         finally:
-            self._reads = None
+            self._reads = None  # score_policy collects only inside prepare
         if not reads:
             return metrics
         read = by_row(batch.loss_mask, [(rows, h) for rows, h, _ in reads])  # (B, K, H)
