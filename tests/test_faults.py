@@ -569,3 +569,25 @@ def test_a_non_finite_rate_and_a_misspelt_nested_flag_are_named(flag, expected, 
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), flag, "--print_config"])
     assert capsys.readouterr().err.splitlines()[0] == expected
+
+
+def test_a_distributed_process_leaves_with_its_code_after_its_exit_handlers(tmp_path):
+    """``ragen-pl`` ends a process that holds a process group without interpreter finalization (where a collective's
+    worker thread can abort a finished run), yet with its exit code, its atexit handlers run and its output flushed."""
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        import torch.distributed as dist
+        from ragen_pl.cli import leave
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        dist.all_reduce(__import__("torch").ones(3))
+        atexit.register(lambda: print("exit handler ran"))
+        print("unflushed", end="")
+        leave(3)
+        print("not reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout == "unflushedexit handler ran\n"
+    one = subprocess.run([sys.executable, "-c", "from ragen_pl.cli import leave; leave(4)"], capture_output=True,
+                         timeout=60)
+    assert one.returncode == 4
