@@ -24,11 +24,14 @@ __all__ = [
     "DrGRPO",
     "GRPO",
     "RLOO",
+    "GiGPO",
     "Advantage",
     "BiLevelGAE",
     "ReinforcePP",
     "bilevel_gae",
+    "discounted_step_returns",
     "gae",
+    "gigpo",
     "grpo",
     "reinforce_pp",
     "rloo",
@@ -198,6 +201,77 @@ def _grouped(fn, batch: TrajectoryBatch, **kwargs) -> Tensor:
     return adv[inverse][:, None] * batch.loss_mask
 
 
+def discounted_step_returns(rewards: Tensor, episodes: Tensor, gamma: float) -> Tensor:
+    """Each step's discounted return to the end of its episode: ``G_k = r_k + gamma * G_{k+1}`` (GiGPO's Eq. 5).
+
+    Args:
+        rewards: (N,) one reward per step.
+        episodes: (N,) the episode of each step; an episode's steps are consecutive and in order.
+    """
+    out = rewards.new_zeros(rewards.shape, dtype=torch.float64)
+    running, after = 0.0, None
+    for k, (r, e) in enumerate(zip(reversed(rewards.tolist()), reversed(episodes.tolist()))):
+        running = r + (gamma * running if e == after else 0.0)
+        out[len(rewards) - 1 - k], after = running, e
+    return out
+
+
+def _relative(x: Tensor, keys: Tensor, mode: str, eps: float) -> Tensor:
+    """``x`` minus the mean of its key's entries (``mean_norm``), or divided after by their std + eps
+    (``mean_std_norm``). Keys with one entry give 0."""
+    mean, std, count = group_stats(x, keys)
+    centred = x.to(torch.float64) - mean
+    if mode == "mean_std_norm":
+        centred = centred / (std + eps)
+    return torch.where(count > 1, centred, 0.0)
+
+
+def gigpo(
+    episode_scores: Tensor,
+    group_ids: Tensor,
+    episodes: Tensor,
+    step_returns: Tensor,
+    anchors: Tensor,
+    mode: Literal["mean_norm", "mean_std_norm"] = "mean_norm",
+    eps: float = 1e-6,
+    compute_mean_std_cross_steps: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GiGPO's two relative advantages (Feng et al. 2025, arXiv 2505.10978), one per step (a model turn).
+
+    * Episode level (Eq. 3): each step's episode score against its group's. With ``compute_mean_std_cross_steps``
+      (verl-agent's default) the group's mean and std run over its steps, so an episode counts once per turn it
+      played; without, over its episodes.
+    * Step level (Eq. 6-7): each step's discounted return against those of the steps of its group that start in the
+      same anchor state.
+
+    ``mode="mean_norm"`` subtracts the mean; ``"mean_std_norm"`` divides the difference by the unbiased std + eps.
+    A step alone in its anchor group has step advantage 0, and an episode alone in its group (its group-mates
+    failed) episode advantage 0: there is nothing to compare it with.
+
+    Args:
+        episode_scores: (N,) each step's episode score.
+        group_ids: (N,) each step's group (the initial state its episode started from).
+        episodes: (N,) each step's episode.
+        step_returns: (N,) each step's discounted return (:func:`discounted_step_returns`).
+        anchors: (N,) the id of the state each step started in.
+
+    Returns:
+        ``(episode_advantages, step_advantages)``, (N,) float64 each.
+    """
+    if mode not in ("mean_norm", "mean_std_norm"):
+        raise ValueError(f"`mode` must be 'mean_norm' or 'mean_std_norm', got {mode!r}")
+    if compute_mean_std_cross_steps:
+        episode_adv = _relative(episode_scores, group_ids, mode, eps)
+    else:
+        first = torch.ones_like(episodes, dtype=torch.bool)
+        first[1:] = episodes[1:] != episodes[:-1]
+        which = torch.cumsum(first, 0) - 1  # each step's episode number 0..E-1
+        per_episode = _relative(episode_scores[first], group_ids[first], mode, eps)
+        episode_adv = per_episode[which]
+    _, anchor_groups = torch.unique(torch.stack([group_ids, anchors], 1), dim=0, return_inverse=True)
+    return episode_adv, _relative(step_returns, anchor_groups, mode, eps)
+
+
 def reinforce_pp(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """REINFORCE++: discounted reward-to-go over valid tokens, whitened over the batch's valid tokens.
 
@@ -228,6 +302,10 @@ class Advantage(ABC):
     @abstractmethod
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, Tensor | None]:
         """Return ``(advantages, returns)``: (B, T) each, zero outside the loss mask; returns None without critic."""
+
+    def metrics(self) -> dict[str, Tensor]:
+        """Diagnostics of the latest call, logged with the update's metrics (say, GiGPO's anchor group sizes)."""
+        return {}
 
 
 def _values_of(batch: TrajectoryBatch, name: str) -> Tensor:
@@ -372,3 +450,83 @@ class ReinforcePP(Advantage):
     def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
         st = batch.stitch
         return batch.unstitch(reinforce_pp(st(batch.rewards), st(batch.loss_mask), self.gamma)), None
+
+
+class GiGPO(Advantage):
+    """GiGPO (verl-agent): turn-level credit without a critic. Each turn's advantage is the episode-level relative
+    advantage plus ``step_advantage_w`` times the step-level one, the turn's discounted return against the turns of
+    its group that start in the same state (:func:`gigpo`); broadcast to the turn's sampled tokens.
+
+    States come from the rollout (``batch.turn_states``: the env's ``state_key()``, else its observation text). A turn
+    reward is the reward on the turn's sampled tokens (the env's reward plus any format penalty; with
+    ``--data.rollout.reward_placement=last_turn`` all of it sits on the last turn). Groups never span processes: each
+    rank plays whole groups (:class:`~ragen_pl.data.RolloutDataModule`), so the statistics are exact under DDP and
+    FSDP.
+    """
+
+    needs_groups = True
+
+    def __init__(
+        self,
+        step_advantage_w: float = 1.0,
+        mode: Literal["mean_norm", "mean_std_norm"] = "mean_norm",
+        gamma: float = 0.95,
+        epsilon: float = 1e-6,
+        compute_mean_std_cross_steps: bool = True,
+    ) -> None:
+        """
+        Args:
+            step_advantage_w: weight of the step-level advantage (0 leaves the episode-level one alone).
+            mode: ``mean_norm`` subtracts each group's mean; ``mean_std_norm`` also divides by its std + epsilon.
+            gamma: discount of the turn rewards in a turn's return.
+            epsilon: added to the std before dividing.
+            compute_mean_std_cross_steps: episode-level statistics over a group's turns (verl-agent's default) rather
+                than over its episodes.
+        """
+        if mode not in ("mean_norm", "mean_std_norm"):
+            raise ValueError(f"`mode` must be 'mean_norm' or 'mean_std_norm', got {mode!r}")
+        _check_unit("gamma", gamma)
+        if not step_advantage_w >= 0:
+            raise ValueError(f"`step_advantage_w` must be >= 0, got {step_advantage_w}")
+        if not epsilon >= 0:
+            raise ValueError(f"`epsilon` must be >= 0, got {epsilon}")
+        self.step_advantage_w, self.mode, self.gamma, self.epsilon = step_advantage_w, mode, gamma, epsilon
+        self.compute_mean_std_cross_steps = compute_mean_std_cross_steps
+        self._metrics: dict[str, Tensor] = {}
+
+    def __call__(self, batch: TrajectoryBatch) -> tuple[Tensor, None]:
+        if batch.turn_states is None:
+            raise ValueError("GiGPO needs the state each turn started in (`batch.turn_states`), which the rollout "
+                             "collector records; this batch has none")
+        st = batch.stitch
+        mask, turn_ids = st(batch.loss_mask), st(batch.turn_ids)
+        out = torch.zeros(mask.shape, dtype=batch.rewards.dtype, device=mask.device)
+        traj, pos = mask.nonzero(as_tuple=True)
+        if len(traj) == 0:
+            self._metrics = {}
+            return batch.unstitch(out), None
+        # One step per (trajectory, turn); torch.unique sorts them by trajectory, then turn.
+        span = int(turn_ids[traj, pos].max()) + 1
+        steps, step_of = torch.unique(traj * span + turn_ids[traj, pos], return_inverse=True)
+        episodes = steps // span
+        rewards = torch.zeros(len(steps), dtype=torch.float64, device=mask.device)
+        rewards.index_add_(0, step_of, st(batch.rewards)[traj, pos].to(torch.float64))
+        anchors = torch.zeros(len(steps), dtype=torch.long, device=mask.device)
+        anchors[step_of] = st(batch.turn_states)[traj, pos]
+        stats = batch.stats()
+        episode_adv, step_adv = gigpo(
+            stats.scores[episodes], stats.group_ids[episodes], episodes,
+            discounted_step_returns(rewards, episodes, self.gamma), anchors,
+            self.mode, self.epsilon, self.compute_mean_std_cross_steps)
+        out[traj, pos] = (episode_adv + self.step_advantage_w * step_adv)[step_of].to(out.dtype)
+        _, anchor_groups, sizes = torch.unique(torch.stack([stats.group_ids[episodes], anchors], 1), dim=0,
+                                               return_inverse=True, return_counts=True)
+        self._metrics = {
+            "gigpo/anchor_group_size": sizes.double().mean(),
+            "gigpo/grouped_turn_frac": (sizes[anchor_groups] > 1).double().mean(),
+            "gigpo/step_adv_abs_mean": step_adv.abs().mean(),
+        }
+        return batch.unstitch(out), None
+
+    def metrics(self) -> dict[str, Tensor]:
+        return dict(self._metrics)

@@ -63,6 +63,9 @@ class TrajectoryBatch:
         sampling_masks: (B, T, K) int or None. When sampling truncated the distribution (top-k, top-p): the
             vocabulary ids each sampled token was drawn from, -1 padded (all -1 where unknown: scored over the whole
             vocabulary).
+        turn_states: (B, T) long or None. On each sampled token, the id of the env state its turn started in
+            (:func:`ragen_pl.envs.base.state_id` of the env's ``state_key()``, else of the observation text): GiGPO's
+            anchor states. None where the batch did not come from a rollout.
         temperature: the sampling temperature of the rollout; the update scores log-probs at it.
         loss_scale: what the advantages are multiplied by once computed (a filter's kept share: RAGEN-2's loss
             scaling); 1 leaves them as they are.
@@ -83,6 +86,7 @@ class TrajectoryBatch:
     traj_ids: Tensor | None = None
     rollout_logprobs: Tensor | None = None
     sampling_masks: Tensor | None = None
+    turn_states: Tensor | None = None
     temperature: float = 1.0
     loss_scale: float = 1.0
 

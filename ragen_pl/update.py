@@ -147,6 +147,7 @@ class StarPOUpdate:
             batch.rewards = batch.rewards - self.ppo.kl_coeff * torch.where(batch.loss_mask, kl, 0.0)
             metrics["loss/kl_reward"] = masked_mean(kl, batch.loss_mask)
         batch.advantages, batch.returns = self.advantage(batch)
+        metrics.update(self.advantage.metrics())
         if batch.loss_scale != 1.0:  # a filter's kept share (RAGEN-2's loss scaling), applied as RAGEN-2 does
             batch.advantages = batch.advantages * batch.loss_scale
         metrics["adv/mean"] = masked_mean(batch.advantages, batch.loss_mask)

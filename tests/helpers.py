@@ -57,7 +57,29 @@ def random_batch(
     )
     ends = batch.turn_ends
     batch.rewards = torch.where(ends, torch.randn(B, T, generator=g), 0.0)
+    # Each turn starts in one of 3 states (GiGPO's anchors), so turns of a group share states.
+    per_turn = torch.randint(0, 3, (B, turns), generator=g)
+    batch.turn_states = torch.where(mask, per_turn.gather(1, turn_ids.clamp(min=0)), 0)
     return batch
+
+
+def split_into_turn_rows(b: TrajectoryBatch) -> TrajectoryBatch:
+    """The same trajectories with each turn as its own row (the context-window layout)."""
+    rows, traj = [], []
+    for i in range(len(b)):
+        for k in b.turn_ids[i][b.turn_ids[i] >= 0].unique().tolist():
+            rows.append((i, k))
+            traj.append(i)
+    idx = torch.tensor([i for i, _ in rows])
+    part = b.select(idx)
+    turn_of = torch.tensor([k for _, k in rows])[:, None]
+    keep = part.turn_ids == turn_of
+    return TrajectoryBatch(
+        input_ids=part.input_ids, attention_mask=part.attention_mask, loss_mask=part.loss_mask & keep,
+        rewards=torch.where(keep, part.rewards, 0.0), turn_ids=torch.where(keep, part.turn_ids, -1),
+        group_ids=part.group_ids, env_tags=part.env_tags, values=part.values, old_logprobs=part.old_logprobs,
+        traj_ids=torch.tensor(traj), turn_states=part.turn_states,
+    )
 
 
 def play_turns(engine, tok, first: list[list[int]], replies: list[str], static: bool = False) -> list[tuple]:

@@ -11,6 +11,7 @@ from ragen_pl.advantages import (
     GRPO,
     RLOO,
     BiLevelGAE,
+    GiGPO,
     ReinforcePP,
     bilevel_gae,
     gae,
@@ -19,7 +20,7 @@ from ragen_pl.advantages import (
     reinforce_pp,
     rloo,
 )
-from tests.helpers import make_batch, random_batch
+from tests.helpers import make_batch, random_batch, split_into_turn_rows
 
 
 # ------------------------------------------------------------------------ plain reference loops
@@ -257,27 +258,6 @@ def test_bad_arguments_name_the_flag():
         gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), gamma=-1)
 
 
-def split_into_turn_rows(b):
-    """The same trajectories with each turn as its own row (the context-window layout)."""
-    from ragen_pl.types import TrajectoryBatch
-
-    rows, traj = [], []
-    for i in range(len(b)):
-        for k in b.turn_ids[i][b.turn_ids[i] >= 0].unique().tolist():
-            rows.append((i, k))
-            traj.append(i)
-    idx = torch.tensor([i for i, _ in rows])
-    part = b.select(idx)
-    turn_of = torch.tensor([k for _, k in rows])[:, None]
-    keep = part.turn_ids == turn_of
-    return TrajectoryBatch(
-        input_ids=part.input_ids, attention_mask=part.attention_mask, loss_mask=part.loss_mask & keep,
-        rewards=torch.where(keep, part.rewards, 0.0), turn_ids=torch.where(keep, part.turn_ids, -1),
-        group_ids=part.group_ids, env_tags=part.env_tags, values=part.values, old_logprobs=part.old_logprobs,
-        traj_ids=torch.tensor(traj),
-    )
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_turns_as_rows_give_the_same_advantages(seed):
     """Context-window batches (one row per turn) must get exactly the advantages of one row per trajectory."""
@@ -285,7 +265,8 @@ def test_turns_as_rows_give_the_same_advantages(seed):
     rows = split_into_turn_rows(b)
     assert len(rows) > len(b)
     inverse, _ = rows.trajectory_index()
-    for est in (GAE(0.9, 0.95), BiLevelGAE(0.9, 0.8), GRPO(), RLOO(), ReinforcePP(0.9)):
+    for est in (GAE(0.9, 0.95), BiLevelGAE(0.9, 0.8), GRPO(), RLOO(), ReinforcePP(0.9), GiGPO(gamma=0.9),
+                GiGPO(0.5, "mean_std_norm", 0.8, compute_mean_std_cross_steps=False)):
         full, _ = est(b)
         split, _ = est(rows)
         merged = torch.zeros_like(full).index_add_(0, inverse, split)  # every sampled token sits in one row

@@ -83,14 +83,17 @@ SMALL = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, lm_head lora"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "ddp, lm_head lora", "ddp, gigpo"])
 def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
-    """Two processes train (DDP, FSDP2, and DDP with only a LoRA head trained)."""
+    """Two processes train (DDP, FSDP2, DDP with only a LoRA head trained, and DDP with GiGPO, whose groups each
+    rank plays whole)."""
     args = [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "sokoban.yaml")]
     if strategy == "fsdp2":
         args += ["--config", str(ROOT / "configs" / "variants" / "fsdp2.yaml")]
     else:
         args += ["--trainer.strategy=ddp"]
+    if strategy == "ddp, gigpo":
+        args += ["--config", str(ROOT / "configs" / "variants" / "gigpo.yaml")]
     if strategy == "ddp, lm_head lora":
         args += ["--model.lora.target_modules=[lm_head]", "--model.lora.r=4", "--model.lora.alpha=8"]
     args += [f"--model.model={tiny_model_path}", f"--trainer.logger.init_args.save_dir={tmp_path}", *SMALL]
@@ -107,7 +110,10 @@ def test_two_cpu_processes(strategy, tiny_model_path, tmp_path):
         assert float(r["train/optimizer_steps"]) >= 1
         assert float(r["loss/policy"]) == float(r["loss/policy"])  # finite, not nan
         assert float(r["throughput/update_positions"]) > 0
-        assert float(r["loss/value"]) == float(r["loss/value"])
+        if strategy == "ddp, gigpo":
+            assert float(r["gigpo/anchor_group_size"]) >= 1.0 and "loss/value" not in r
+        else:
+            assert float(r["loss/value"]) == float(r["loss/value"])
 
 
 @pytest.mark.slow

@@ -83,6 +83,10 @@ class Bandit(Env):
         self._chosen = None
         return self.render()
 
+    def state_key(self) -> tuple:
+        """The order the arms are shown in and the arm pulled (None before the pull)."""
+        return self._order, self._chosen
+
     def render(self) -> str:
         if self._chosen is not None:
             return f"You pulled {self._chosen}."

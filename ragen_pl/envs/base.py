@@ -10,6 +10,8 @@ and format penalties; an env only knows its rules:
   malformed expression in a language env) changes nothing, returns reward 0 and ``action_is_valid=False``; it
   never raises.
 * ``instructions`` is the text a prompt shows once: rules, symbol legend, action list.
+* ``state_key()`` (optional) names the current state for GiGPO's anchor-state groups; without it the observation
+  text is the key.
 
 Discrete envs list their action names in ``actions`` and match them case-insensitively; language envs set
 ``actions = None`` and take free text.
@@ -17,13 +19,14 @@ Discrete envs list their action names in ``actions`` and match them case-insensi
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, TypedDict
 
 from ragen_pl.config import check_int
 
-__all__ = ["Env", "StepInfo", "StepResult", "check_int", "check_range", "check_separator", "grid_text"]
+__all__ = ["Env", "StepInfo", "StepResult", "check_int", "check_range", "check_separator", "grid_text", "state_id"]
 
 
 class StepInfo(TypedDict, total=False):
@@ -79,6 +82,13 @@ class Env(ABC):
             raise TypeError(f"{type(self).__name__} takes free text; it has no named actions")
         return self.actions
 
+    def state_key(self) -> Hashable | None:
+        """The current state as a key: turns of one group that start in states with equal keys form an anchor-state
+        group (:class:`ragen_pl.advantages.GiGPO`). A str, int, float, bool, bytes, None or a tuple of them; equal states
+        must give equal keys in any process. Default None: the observation text is the key, which is exact for envs
+        whose observation shows the whole state (a counter the text leaves out would split nothing it should)."""
+        return None
+
     def parse_action(self, text: str) -> int | None:
         """Index of a discrete action name (case-insensitive, surrounding whitespace ignored), else ``None``."""
         if self.actions is None:
@@ -100,6 +110,29 @@ def _action_lookup(actions: tuple[str, ...]) -> dict[str, int]:
     if table is None:
         table = _LOOKUPS[actions] = {name.lower(): i for i, name in enumerate(actions)}
     return table
+
+
+_KEY_ATOMS = (str, bytes, int, float, bool, type(None))
+
+
+def state_id(key: Hashable) -> int:
+    """A state key as a signed 64-bit id, equal in every process (Python's ``hash`` of a str is salted per process).
+
+    Raises:
+        TypeError: ``key`` is not a str, int, float, bool, bytes, None or a (nested) tuple of them.
+    """
+    def check(k: Any) -> None:
+        if isinstance(k, tuple):
+            for part in k:
+                check(part)
+        elif not isinstance(k, _KEY_ATOMS):
+            raise TypeError(f"state_key() must return a str, int, float, bool, bytes, None or a tuple of them, got "
+                            f"{key!r} "
+                            f"(a {type(k).__name__} inside)")
+
+    check(key)
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def check_separator(name: str, value: Any, symbols: Iterable[str]) -> str:

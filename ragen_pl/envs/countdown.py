@@ -135,6 +135,10 @@ class Countdown(Env):
         self.answer, self._done = None, False
         return self.render()
 
+    def state_key(self) -> tuple:
+        """The numbers, the target and the answer given (None before it)."""
+        return tuple(self.numbers), self.target, self.answer
+
     def render(self) -> str:
         state = f"Numbers: {self.numbers}. Target: {self.target}."
         return state if self.answer is None else f"{state} Your answer: {self.answer}"

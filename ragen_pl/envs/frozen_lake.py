@@ -99,6 +99,10 @@ class FrozenLake(Env):
         self._policy = None
         return self.render()
 
+    def state_key(self) -> tuple[int, int]:
+        """The player's cell (holes, start and goal are fixed by the seed)."""
+        return self.pos
+
     def render(self) -> str:
         s = SYMBOLS
         rows = []

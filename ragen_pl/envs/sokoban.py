@@ -123,6 +123,10 @@ class Sokoban(Env):
         c = self.cols
         return grid_text((cells[r * c : (r + 1) * c] for r in range(self.rows)), self.cell_separator)
 
+    def state_key(self) -> tuple:
+        """The player's cell and the boxes' cells (walls and targets are fixed by the seed)."""
+        return self.player, tuple(sorted(self.boxes))
+
     # ------------------------------------------------------------ episode
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ragen_pl.config import RolloutConfig
-from ragen_pl.envs.base import Env
+from ragen_pl.envs.base import Env, state_id
 from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.chat import ChatTokens, WindowChat
 from ragen_pl.rollout.engine import RolloutEngine, SamplingParams
@@ -94,6 +94,8 @@ class Episode:
     effective_actions: int = 0
     format_errors: int = 0
     truncated: bool = False
+    states: list[int] = field(default_factory=list)
+    """The id of the state each turn started in (:func:`~ragen_pl.envs.base.state_id`)."""
     transcript: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -231,6 +233,8 @@ class Collector:
         t0 = time.perf_counter()
         try:
             with _time_limit(c.step_timeout_s):
+                key = ep.env.state_key()
+                ep.states.append(state_id(ep.transcript[-1]["observation"] if key is None else key))
                 for action in parsed.actions:
                     if ep.actions >= c.max_actions_per_episode:
                         break
@@ -299,6 +303,7 @@ class Collector:
         turn_ids = torch.full((B, T), -1, dtype=torch.long)
         rewards = torch.zeros((B, T), dtype=torch.float32)
         logprobs = torch.zeros((B, T), dtype=torch.float32)
+        states = torch.zeros((B, T), dtype=torch.long)
         width = max((len(k) for _, _, row in rows for k in row[4] if k is not None), default=0)
         kept = torch.full((B, T, width), -1, dtype=torch.int32) if width else None
         for b, (e, r, (ids, sampled, turns, lps, sets)) in enumerate(rows):
@@ -313,6 +318,7 @@ class Collector:
                     if ids_t:
                         kept[b, t, :len(ids_t)] = torch.tensor(ids_t, dtype=torch.int32)
             ep = episodes[e]
+            states[b, :n] = torch.tensor([ep.states[t] if t >= 0 else 0 for t in turns], dtype=torch.long)
             if c.reward_placement == "turn":
                 for (row, pos), reward in ep.rewards.items():
                     if row == r:
@@ -331,6 +337,7 @@ class Collector:
             traj_ids=torch.tensor([e for e, _, _ in rows], dtype=torch.long) if windowed else None,
             rollout_logprobs=logprobs,
             sampling_masks=kept,
+            turn_states=states,
         )
 
 
