@@ -1,6 +1,10 @@
 """The product benchmarks compare fairly: train_step's plain-loop baseline pads each micro-batch to its own longest row
-(as a collator does), and rollout.py says how much of its prompts is one shared prefix."""
+(as a collator does), rollout.py says how much of its prompts is one shared prefix, and credit.py's recipes differ
+only in their advantage."""
 
+import sys
+
+import pytest
 import torch
 
 from benchmarks.rollout import common_prefix
@@ -34,3 +38,25 @@ def test_the_plain_loop_cuts_each_micro_batch_to_its_longest_row():
 def test_common_prefix():
     assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
     assert common_prefix([[7, 1], [8, 1]]) == 0 and common_prefix([[1, 2], [1, 2]]) == 2
+
+
+@pytest.mark.parametrize("recipe, advantage", [("gigpo", "GiGPO"), ("grpo", "GRPO"), ("ppo_bilevel_gae", "BiLevelGAE")])
+def test_the_credit_benchmark_changes_only_the_advantage(recipe, advantage, tiny_model_path, tmp_path, capsys):
+    """benchmarks/credit.py: each recipe is the quickstart on FrozenLake alone with its own advantage."""
+    import yaml
+
+    from benchmarks import credit
+    from ragen_pl.cli import main
+
+    (tmp_path / "frozenlake_only.yaml").write_text(credit.FROZEN_LAKE_ONLY)
+    args = credit.fit_args(recipe, 3, str(tiny_model_path), 30, 128, tmp_path)
+    assert args[:4] == [sys.executable, "-m", "ragen_pl.cli", "fit"]
+    with pytest.raises(SystemExit):
+        main([*args[3:], "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["advantage"]["class_path"] == f"ragen_pl.advantages.{advantage}"
+    assert [e["init_args"]["tag"] for e in config["data"]["env"]] == ["FrozenLakeNoSlip"]
+    assert config["model"]["optim"]["actor_lr"] == 1.0e-3 and config["data"]["group_size"] == 8
+    assert config["seed_everything"] == 3 and config["data"]["seed"] == 3000
+    if recipe == "ppo_bilevel_gae":
+        assert config["model"]["advantage"]["init_args"]["segments"] == "turn_ids"

@@ -1,0 +1,117 @@
+"""Turn-level credit on 2 CPU cores: GiGPO against GRPO and PPO with bi-level GAE, over seeds (issue 58).
+
+The setting is the quickstart's FrozenLake alone (4x4, not slippery, corner start and goal: up to 4 turns of up to
+3 actions, reward 1 at the goal only), where a turn's credit matters: turns of a group pass through the same cells.
+Every recipe keeps the quickstart's settings (warm-started tiny model, learning rates, StarPO-S filter, 16 groups x
+8) and changes only the advantage, with its published defaults and nothing tuned here:
+
+* ``gigpo``: configs/variants/gigpo.yaml (verl-agent's step_advantage_w 1, mean_norm, gamma 0.95);
+* ``grpo``: configs/variants/grpo.yaml;
+* ``ppo_bilevel_gae``: PPO with a critic and bi-level GAE over the model's turns (gamma_turn 0.95, lambda 1).
+
+Each seed rebuilds the tiny model and its warm start with that seed (as benchmarks/learning_seeds.py does) and trains
+every recipe from it, one process per run on one core each, ``--jobs`` at a time. It prints the evaluation success
+(128 fixed episodes, temperature 0.5) at step 0 and at the end per run, the mean over seeds per recipe, and draws
+the curves side by side with ``ragen-pl report``.
+
+    python -m benchmarks.credit [--seeds 0 1 2] [--steps 30] [--jobs 2] [--out runs/credit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ROOT / "configs" / "variants"
+RECIPES = {
+    "gigpo": ["--config", str(VARIANTS / "gigpo.yaml")],
+    "grpo": ["--config", str(VARIANTS / "grpo.yaml")],
+    "ppo_bilevel_gae": ["--model.advantage=ragen_pl.advantages.BiLevelGAE",
+                        "--model.advantage.init_args.segments=turn_ids",
+                        "--model.advantage.init_args.gamma_turn=0.95"],
+}
+FROZEN_LAKE_ONLY = """\
+data:
+  env:
+    - class_path: ragen_pl.envs.frozen_lake.FrozenLake
+      init_args: {slippery: false, layout: corners, tag: FrozenLakeNoSlip}
+"""
+
+
+def fit_args(recipe: str, seed: int, model: str, steps: int, val_episodes: int, out: Path) -> list[str]:
+    overlay = out / "frozenlake_only.yaml"
+    return [sys.executable, "-m", "ragen_pl.cli", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+            "--config", str(overlay), *RECIPES[recipe], f"--model.model={model}", f"--seed_everything={seed}",
+            f"--data.seed={1000 * seed}", f"--trainer.max_steps={steps}", "--trainer.val_check_interval=10",
+            f"--data.val_episodes={val_episodes}", "--torch_threads=1", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_checkpointing=false", f"--trainer.logger.init_args.save_dir={out / recipe}",
+            f"--trainer.logger.init_args.name=seed{seed}"]
+
+
+def run(recipe: str, seed: int, model: str, steps: int, val_episodes: int, out: Path) -> Path:
+    """Train one recipe from one seed's warm start in its own process; return its run folder."""
+    log = out / recipe / f"seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        code = subprocess.run(fit_args(recipe, seed, model, steps, val_episodes, out), stdout=f,
+                              stderr=subprocess.STDOUT, env=env, cwd=out).returncode
+    if code:
+        raise SystemExit(f"error: {recipe} seed {seed} failed (exit {code}); see {log}")
+    print(f"{recipe} seed {seed}: {time.perf_counter() - start:.0f}s", flush=True)
+    return max((out / recipe / f"seed{seed}").glob("version_*"), key=lambda p: p.stat().st_mtime)
+
+
+def evaluation(run_dir: Path, tag: str = "FrozenLakeNoSlip") -> list[tuple[int, float]]:
+    """(step, evaluation success) of every evaluation of a run."""
+    with open(run_dir / "metrics.csv") as f:
+        return [(int(r["step"]), float(r[f"val/{tag}/success"])) for r in csv.DictReader(f)
+                if r.get(f"val/{tag}/success")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--val-episodes", type=int, default=128)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one core each")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--out", type=Path, default=Path("runs/credit"))
+    args = parser.parse_args()
+    from ragen_pl.models.tiny import TinyConfig, build_warm_tiny_model
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frozenlake_only.yaml").write_text(FROZEN_LAKE_ONLY)
+    models = {seed: str(build_warm_tiny_model(TinyConfig(seed=seed))) for seed in args.seeds}
+    jobs = [(recipe, seed) for seed in args.seeds for recipe in args.recipes]
+    print(f"{len(jobs)} runs, {args.jobs} at a time, one core each; {args.steps} iterations of 16 groups x 8",
+          flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {job: pool.submit(run, *job, models[job[1]], args.steps, args.val_episodes, out) for job in jobs}
+        runs = {job: f.result() for job, f in futures.items()}
+    print(f"\nFrozenLakeNoSlip evaluation success ({args.val_episodes} episodes, temperature 0.5), step 0 -> "
+          f"{args.steps}:")
+    for recipe in args.recipes:
+        curves = {seed: evaluation(runs[recipe, seed]) for seed in args.seeds}
+        cells = "  ".join(f"seed {s} {c[0][1]:.3f} -> {c[-1][1]:.3f}" for s, c in curves.items())
+        ends = [c[-1][1] for c in curves.values()]
+        gains = [c[-1][1] - c[0][1] for c in curves.values()]
+        print(f"{recipe:>16}: {cells}  | mean end {statistics.mean(ends):.3f}, mean gain "
+              f"{statistics.mean(gains):+.3f}")
+    subprocess.run([sys.executable, "-m", "ragen_pl.cli", "report", "--out", str(out / "report"),
+                    *(str(runs[job]) for job in jobs)], check=True)
+    print(f"curves: {out / 'report'}")
+
+
+if __name__ == "__main__":
+    main()
