@@ -11,10 +11,10 @@ Every recipe keeps the quickstart's settings (warm-started tiny model, learning 
 
 Each seed rebuilds the tiny model and its warm start with that seed (as benchmarks/learning_seeds.py does) and trains
 every recipe from it, one process per run on one core each, ``--jobs`` at a time. It prints the evaluation success
-(128 fixed episodes, temperature 0.5) at step 0 and at the end per run, the mean over seeds per recipe, and draws
-the curves side by side with ``ragen-pl report``.
+(128 fixed episodes, temperature 0.5) at step 0 and at the end per run and the mean over seeds per recipe, draws
+the mean curves (``credit_success.png``) and every run side by side with ``ragen-pl report``.
 
-    python -m benchmarks.credit [--seeds 0 1 2] [--steps 30] [--jobs 2] [--out runs/credit]
+    python -m benchmarks.credit [--seeds 0 1 2] [--steps 30] [--jobs 2] [--out runs/credit] [--replot]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run(recipe: str, seed: int, model: str, steps: int, val_episodes: int, out: 
     if code:
         raise SystemExit(f"error: {recipe} seed {seed} failed (exit {code}); see {log}")
     print(f"{recipe} seed {seed}: {time.perf_counter() - start:.0f}s", flush=True)
-    return max((out / recipe / f"seed{seed}").glob("version_*"), key=lambda p: p.stat().st_mtime)
+    return latest_run(out, recipe, seed)
 
 
 def evaluation(run_dir: Path, tag: str = "FrozenLakeNoSlip") -> list[tuple[int, float]]:
@@ -76,6 +76,36 @@ def evaluation(run_dir: Path, tag: str = "FrozenLakeNoSlip") -> list[tuple[int, 
     with open(run_dir / "metrics.csv") as f:
         return [(int(r["step"]), float(r[f"val/{tag}/success"])) for r in csv.DictReader(f)
                 if r.get(f"val/{tag}/success")]
+
+
+def latest_run(out: Path, recipe: str, seed: int) -> Path:
+    runs = sorted((out / recipe / f"seed{seed}").glob("version_*"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise SystemExit(f"error: no run of {recipe} seed {seed} under {out} (train it first: drop --replot)")
+    return runs[-1]
+
+
+def plot_means(curves: dict[str, dict[int, list[tuple[int, float]]]], path: Path) -> None:
+    """One line per seed (thin) and the mean over seeds (thick) per recipe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for colour, (recipe, by_seed) in zip(("C0", "C1", "C2", "C3"), curves.items()):
+        for points in by_seed.values():
+            ax.plot(*zip(*points), color=colour, alpha=0.25, linewidth=1)
+        steps = sorted({s for points in by_seed.values() for s, _ in points})
+        mean = [statistics.mean(dict(points)[s] for points in by_seed.values() if s in dict(points)) for s in steps]
+        ax.plot(steps, mean, color=colour, linewidth=2.5, marker="o", label=f"{recipe} (mean of {len(by_seed)} seeds)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("evaluation success")
+    ax.set_title("FrozenLake 4x4 (not slippery, corners), tiny model")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main() -> None:
@@ -86,31 +116,35 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one core each")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--out", type=Path, default=Path("runs/credit"))
+    parser.add_argument("--replot", action="store_true", help="print and draw the runs already in --out")
     args = parser.parse_args()
-    from ragen_pl.models.tiny import TinyConfig, build_warm_tiny_model
-
     out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "frozenlake_only.yaml").write_text(FROZEN_LAKE_ONLY)
-    models = {seed: str(build_warm_tiny_model(TinyConfig(seed=seed))) for seed in args.seeds}
     jobs = [(recipe, seed) for seed in args.seeds for recipe in args.recipes]
-    print(f"{len(jobs)} runs, {args.jobs} at a time, one core each; {args.steps} iterations of 16 groups x 8",
-          flush=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(run, *job, models[job[1]], args.steps, args.val_episodes, out) for job in jobs}
-        runs = {job: f.result() for job, f in futures.items()}
+    if not args.replot:
+        from ragen_pl.models.tiny import TinyConfig, build_warm_tiny_model
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "frozenlake_only.yaml").write_text(FROZEN_LAKE_ONLY)
+        models = {seed: str(build_warm_tiny_model(TinyConfig(seed=seed))) for seed in args.seeds}
+        print(f"{len(jobs)} runs, {args.jobs} at a time, one core each; {args.steps} iterations of 16 groups x 8",
+              flush=True)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for future in [pool.submit(run, *job, models[job[1]], args.steps, args.val_episodes, out) for job in jobs]:
+                future.result()
+    runs = {job: latest_run(out, *job) for job in jobs}
+    curves = {recipe: {seed: evaluation(runs[recipe, seed]) for seed in args.seeds} for recipe in args.recipes}
     print(f"\nFrozenLakeNoSlip evaluation success ({args.val_episodes} episodes, temperature 0.5), step 0 -> "
           f"{args.steps}:")
-    for recipe in args.recipes:
-        curves = {seed: evaluation(runs[recipe, seed]) for seed in args.seeds}
-        cells = "  ".join(f"seed {s} {c[0][1]:.3f} -> {c[-1][1]:.3f}" for s, c in curves.items())
-        ends = [c[-1][1] for c in curves.values()]
-        gains = [c[-1][1] - c[0][1] for c in curves.values()]
+    for recipe, by_seed in curves.items():
+        cells = "  ".join(f"seed {s} {c[0][1]:.3f} -> {c[-1][1]:.3f}" for s, c in by_seed.items())
+        ends = [c[-1][1] for c in by_seed.values()]
+        gains = [c[-1][1] - c[0][1] for c in by_seed.values()]
         print(f"{recipe:>16}: {cells}  | mean end {statistics.mean(ends):.3f}, mean gain "
               f"{statistics.mean(gains):+.3f}")
+    plot_means(curves, out / "credit_success.png")
     subprocess.run([sys.executable, "-m", "ragen_pl.cli", "report", "--out", str(out / "report"),
                     *(str(runs[job]) for job in jobs)], check=True)
-    print(f"curves: {out / 'report'}")
+    print(f"curves: {out / 'credit_success.png'} (means), {out / 'report'} (every run, ragen-pl report)")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,27 @@ Part 2, distributions: the optimal-solution length over fixed seeds (Sokoban by 
 the shortest path of frozen tiles) as mean and histogram, and the success of a uniformly random policy within the
 paper's 10-action budget, printed next to what RAGEN's own env code gives (measured on RAGEN v1 for issue 11).
 
-    python benchmarks/envs.py [--episodes 3000] [--rooms 1000]
+Part 3, OpenEnv (``--openenv``, needs ``pip install 'ragen-pl[openenv]'``): FrozenLake served by ``ragen-pl serve`` on
+127.0.0.1, played by 128 sessions at once (a rollout's 128 trajectories, each in its own session, stepped turn by
+turn as the collector does), beside the same play in-process, in env steps per second; then what the server path
+adds to one SmolLM2 FrozenLake iteration (32 trajectories of up to 10 one-action turns: 32 resets and 320 steps) as
+a share of its time (``--iteration-s``: 31 s, the fastest such iteration recorded on this machine,
+docs/experiments/smollm2_multiturn.md, 2026-12-03). Goal: under 10%.
+
+    python benchmarks/envs.py [--episodes 3000] [--rooms 1000] [--openenv | --openenv-only] [--iteration-s 31]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from collections import Counter
 
 from ragen_pl.envs.bandit import Bandit
@@ -67,11 +80,77 @@ def optimal_lengths(env, rooms: int) -> list[int]:
     return lengths
 
 
+def play_sessions(envs: list, rounds: int, seed: int = 0) -> tuple[float, int]:
+    """Reset every env, then ``rounds`` turns of one random action each over the live ones, as the collector steps
+    a rollout; return (seconds, env calls)."""
+    rng = random.Random(seed)
+    start, calls = time.perf_counter(), 0
+    for i, env in enumerate(envs):
+        env.reset(seed + i)
+        calls += 1
+    live = list(envs)
+    for _ in range(rounds):
+        still = []
+        for env in live:
+            _, _, done, _ = env.step(rng.choice(FrozenLake.actions))
+            calls += 1
+            if not done:
+                still.append(env)
+        live = still
+    for env in envs:
+        env.close()
+    return time.perf_counter() - start, calls
+
+
+def openenv_rates(sessions: int, rounds: int) -> tuple[float, float]:
+    """Env calls per second through ``ragen-pl serve`` over loopback and in-process, ``sessions`` at once."""
+    from ragen_pl.envs.openenv import OpenEnvClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", "frozen_lake", "--port",
+                               str(port), "--max-sessions", str(sessions + 1)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        client = OpenEnvClient(url)
+        remote = [[copy.deepcopy(client) for _ in range(sessions)] for _ in range(3)]
+        local = [[FrozenLake() for _ in range(sessions)] for _ in range(3)]
+        seconds_remote = min(play_sessions(envs, rounds, 1000 * k) for k, envs in enumerate(remote))
+        seconds_local = min(play_sessions(envs, rounds, 1000 * k) for k, envs in enumerate(local))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return seconds_remote[1] / seconds_remote[0], seconds_local[1] / seconds_local[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=3000)
     parser.add_argument("--rooms", type=int, default=1000)
+    parser.add_argument("--openenv", action="store_true", help="also measure FrozenLake through `ragen-pl serve`")
+    parser.add_argument("--sessions", type=int, default=128)
+    parser.add_argument("--iteration-s", type=float, default=31.0,
+                        help="seconds of one SmolLM2 FrozenLake iteration, the yardstick of the server's cost")
+    parser.add_argument("--openenv-only", action="store_true", help="measure only the OpenEnv part")
     args = parser.parse_args()
+    if args.openenv or args.openenv_only:
+        remote, local = openenv_rates(args.sessions, 10)
+        calls = 32 + 320  # one SmolLM2 FrozenLake iteration: 32 resets, 32 x 10 one-action turns at most
+        share = calls / remote / args.iteration_s
+        print(f"FrozenLake, {args.sessions} sessions at once: {remote:,.0f} env calls/s through `ragen-pl serve` "
+              f"over loopback, {local:,.0f} in-process ({local / remote:,.0f}x); one SmolLM2 FrozenLake iteration's "
+              f"{calls} calls take {calls / remote:.2f} s through the server, {share:.1%} of a {args.iteration_s:.0f} s "
+              f"iteration (goal: under 10%): {'yes' if share < 0.10 else 'NO'}\n")
+        if args.openenv_only:
+            return
     cases = [
         ("sokoban 6x6 1 box", Sokoban(), list(Sokoban.actions)),
         ("sokoban 8x8 2 boxes", Sokoban(dim_room=(8, 8), num_boxes=2, search_depth=10), list(Sokoban.actions)),

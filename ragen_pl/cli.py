@@ -38,16 +38,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_play(args: argparse.Namespace) -> int:
-    try:
-        env_args = json.loads(args.env_args)
-    except json.JSONDecodeError as err:
-        raise SystemExit(f"error: --env-args must be a JSON object, got {args.env_args!r}: {err}") from None
-    if not isinstance(env_args, dict):
-        raise SystemExit(f"error: --env-args must be a JSON object, got {args.env_args!r}")
-    try:
-        env = registry.resolve("envs", args.env, **env_args)
-    except (registry.PluginLoadError, ValueError, TypeError) as err:
-        raise SystemExit(f"error: --env {args.env!r}: {err}") from None
+    env = _env_from_args(args)
     rng = random.Random(args.seed)
     successes = 0
     print(env.instructions, end="\n\n")
@@ -72,6 +63,34 @@ def _cmd_play(args: argparse.Namespace) -> int:
         successes += success
         print(f"return {total:+.2f}  success {success}\n")
     print(f"success rate {successes / args.episodes:.2f} over {args.episodes} episodes ({args.policy} policy)")
+    return 0
+
+
+def _env_from_args(args: argparse.Namespace):
+    """The env ``--env`` / ``--env-args`` name; a bad name or setting exits with one line."""
+    try:
+        env_args = json.loads(args.env_args)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"error: --env-args must be a JSON object, got {args.env_args!r}: {err}") from None
+    if not isinstance(env_args, dict):
+        raise SystemExit(f"error: --env-args must be a JSON object, got {args.env_args!r}")
+    try:
+        return registry.resolve("envs", args.env, **env_args)
+    except (registry.PluginLoadError, ValueError, TypeError, ImportError) as err:
+        raise SystemExit(f"error: --env {args.env!r}: {err}") from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise SystemExit(f"error: --port must be in [1, 65535], got {args.port}")
+    if args.max_sessions < 1:
+        raise SystemExit(f"error: --max-sessions must be >= 1, got {args.max_sessions}")
+    env = _env_from_args(args)
+    try:
+        from ragen_pl.envs.openenv import serve
+    except ImportError as err:
+        raise SystemExit(f"error: {err}") from None
+    serve(env, args.host, args.port, args.max_sessions)
     return 0
 
 
@@ -205,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-actions", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_play)
+    p = sub.add_parser("serve", help="serve an env (built in or a plugin) as an OpenEnv server "
+                                     "(pip install 'ragen-pl[openenv]')")
+    p.add_argument("--env", required=True, help="entry name or class path (ragen-pl plugins lists them)")
+    p.add_argument("--env-args", default="{}", help="JSON object of the env's settings")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-sessions", type=int, default=256,
+                   help="episodes played at once (a rollout holds one per trajectory)")
+    p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("tiny", help="build (once) the embedded tiny Qwen2 model and print its folder")
     p.add_argument("--path", default=None, help="where to save it (default: the ragen-pl cache)")
     p.add_argument("--warm", action="store_true", help="also warm-start it with SFT on random legal play")

@@ -12,6 +12,7 @@ import html
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ragen_pl.runs import run_chain
@@ -94,12 +95,14 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: Path) ->
         ax.set_xlabel("iteration")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if lines:
+        if len(lines) > 8:  # many runs: the legend beside the plot, not over it
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        elif lines:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
-        fig.savefig(out / filename, dpi=110)
+        fig.savefig(out / filename, dpi=110, bbox_inches="tight")
         plt.close(fig)
         plotted[filename] = lines
     return plotted
@@ -186,13 +189,25 @@ def render_html(samples: list[dict], title: str) -> str:
     return "".join(parts)
 
 
+def run_names(run_dirs: Sequence[str | Path]) -> list[str]:
+    """Short labels that tell the runs apart: the parts of their paths left once the parts all share at the start
+    and at the end are dropped (``runs/credit/gigpo/seed0/version_0`` beside ``.../grpo/seed0/version_0`` is
+    ``gigpo/seed0``); one run is its folder's name."""
+    parts = [Path(r).resolve().parts for r in run_dirs]
+    if len(parts) == 1:
+        return [parts[0][-1] if parts[0] else str(run_dirs[0])]
+    shortest = min(len(p) for p in parts)
+    lead = next((i for i in range(shortest) if len({p[i] for p in parts}) > 1), shortest)
+    trail = next((i for i in range(shortest - lead) if len({p[-1 - i] for p in parts}) > 1), shortest - lead)
+    names = ["/".join(p[lead:len(p) - trail]) or p[-1] for p in parts]
+    return names if len(set(names)) == len(names) else [str(r) for r in run_dirs]
+
+
 def report(run_dirs: list[str | Path], out: str | Path) -> dict[str, dict[str, list]]:
     """Write the figures and ``trajectories.html`` for the runs into ``out``; return what was plotted."""
     out = Path(out)
     runs, samples = {}, []
-    names = [Path(r).name or str(r) for r in run_dirs]
-    if len(set(names)) < len(names):  # same folder names (version_0 twice): use the full paths
-        names = [str(r) for r in run_dirs]
+    names = run_names(run_dirs)
     for name, run in zip(names, run_dirs):
         run = Path(run)
         if not run.is_dir():

@@ -155,4 +155,4 @@ def test_unknown_component_name_lists_the_available_ones(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), "--data.env=nope", "--print_config"])
     err = capsys.readouterr().err
-    assert "'nope' not found in ragen_pl.envs. Available: bandit, countdown, frozen_lake, gymnasium, sokoban" in err
+    assert "'nope' not found in ragen_pl.envs. Available: bandit, countdown, frozen_lake, gymnasium, openenv, sokoban" in err

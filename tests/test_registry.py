@@ -46,7 +46,7 @@ def fake_eps(monkeypatch):
 def test_builtins_discovered_through_entry_points():
     plugins = registry.load_plugins(reload=True)
     assert set(plugins) == set(registry.GROUPS)
-    assert registry.available("envs") == ["bandit", "countdown", "frozen_lake", "gymnasium", "sokoban"]
+    assert registry.available("envs") == ["bandit", "countdown", "frozen_lake", "gymnasium", "openenv", "sokoban"]
     assert {"gae", "bilevel_gae", "grpo", "rloo", "reinforce_pp", "gigpo"} <= set(registry.available("advantages"))
     assert {"none", "variance_top_p", "drop_zero_variance", "adaptive_variance"} <= set(registry.available("filters"))
     assert plugins["ragen_pl.advantages"]["grpo"].dist == "ragen-pl"

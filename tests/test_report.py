@@ -78,3 +78,12 @@ def test_viewer_renders_in_headless_chromium(tmp_path):
 
 def test_render_html_without_samples():
     assert "No sampled trajectories" in render_html([], "t")
+
+
+def test_run_labels_keep_only_the_parts_that_tell_runs_apart(tmp_path):
+    from ragen_pl.report import run_names
+
+    runs = [tmp_path / "credit" / r / f"seed{s}" / "version_0" for r in ("gigpo", "grpo") for s in (0, 1)]
+    assert run_names(runs) == ["gigpo/seed0", "gigpo/seed1", "grpo/seed0", "grpo/seed1"]
+    assert run_names([tmp_path / "a" / "version_0", tmp_path / "a" / "version_1"]) == ["version_0", "version_1"]
+    assert run_names([tmp_path / "x" / "version_3"]) == ["version_3"]

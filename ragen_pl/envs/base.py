@@ -89,6 +89,10 @@ class Env(ABC):
         whose observation shows the whole state (a counter the text leaves out would split nothing it should)."""
         return None
 
+    def close(self) -> None:
+        """Release what the episode holds (a connection, a process); the collector calls it once the trajectory
+        ends. Default: nothing."""
+
     def parse_action(self, text: str) -> int | None:
         """Index of a discrete action name (case-insensitive, surrounding whitespace ignored), else ``None``."""
         if self.actions is None:

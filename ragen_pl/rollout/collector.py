@@ -207,6 +207,8 @@ class Collector:
                     self._play_turn(ep, gen, turn, timings)
         finally:
             self.engine.end_rollout()
+            for ep in episodes:
+                _close(ep)
         for ep in episodes:
             if not ep.done:
                 ep.done = True
@@ -339,6 +341,15 @@ class Collector:
             sampling_masks=kept,
             turn_states=states,
         )
+
+
+def _close(ep: Episode) -> None:
+    """End the episode's env (its session, if it holds one); a failure to close fails nothing already played."""
+    try:
+        ep.env.close()
+    except Exception as err:  # noqa: BLE001 - the trajectory is complete; say so and go on
+        warnings.warn(f"env {ep.env.tag!r} (seed {ep.spec.seed}) failed to close: {type(err).__name__}: {err}",
+                      stacklevel=2)
 
 
 def _fresh_copy(env):
