@@ -154,3 +154,20 @@ def test_serve_refuses_a_bad_env_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", "nope"], capture_output=True,
                           text=True, timeout=120, env={**os.environ})
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: --env 'nope'")
+
+
+def test_openenvs_own_client_plays_a_served_env(sokoban_server):
+    """What TRL, SkyRL or verifiers would use: OpenEnv's GenericEnvClient (its sync wrapper) on ragen-pl's server."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    here = Sokoban()
+    with GenericEnvClient(base_url=sokoban_server).sync() as client:
+        first = client.reset(seed=11)
+        assert first.observation["text"] == here.reset(11) and first.done is False
+        for action in ("Up", "Left", "Down", "Right"):
+            result = client.step({"action": action})
+            text, reward, done, info = here.step(action)
+            assert (result.observation["text"], result.reward, result.done) == (text, pytest.approx(reward), done)
+            assert result.observation["action_is_effective"] == bool(info["action_is_effective"])
+            if done:
+                break
