@@ -145,23 +145,29 @@ class TrainingBudget(Callback):
 
 class RunSummary(Callback):
     """At the end of ``fit``, a short table per evaluation env: success at step 0, the best and the last evaluation
-    (with their steps), and the random policy's success on the same evaluation seeds where the env has named actions
-    (:func:`ragen_pl.baselines.random_success`, with the run's action budget)."""
+    (with their steps), and the random and the optimal policy's success on the same evaluation seeds where the env
+    has them (``val/<env>/random_success``, ``val/<env>/optimal_success``: :mod:`ragen_pl.baselines`)."""
 
     def __init__(self) -> None:
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.references: dict[str, dict[str, float]] = {}
 
     def _record(self, trainer, step: int) -> None:
         for key, value in trainer.callback_metrics.items():
             parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "val" and parts[2] == "success":
+            if len(parts) != 3 or parts[0] != "val":
+                continue
+            if parts[2] == "success":
                 points = self.history.setdefault(parts[1], [])
                 if not points or points[-1][0] != step:
                     points.append((step, float(value)))
+            elif parts[2] in ("random_success", "optimal_success"):
+                self.references.setdefault(parts[1], {})[parts[2]] = float(value)
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self.history.clear()
+        self.references.clear()
         if trainer.global_step == 0:  # the step-0 evaluation (ValidateAtStart) has just run
             self._record(trainer, 0)
 
@@ -175,24 +181,24 @@ class RunSummary(Callback):
         log_dir = trainer.log_dir  # every rank asks: it is a broadcast (rank 0 alone would hang a DDP run)
         if not trainer.is_global_zero or not self.history:
             return
-        from ragen_pl.baselines import random_success
-
         dm = getattr(trainer, "datamodule", None)
-        envs = {env.tag: env for env in getattr(dm, "val_envs", [])}
-        seeds = range(dm.val_seed, dm.val_seed + dm.val_episodes) if dm is not None else range(0)
-        budget = dm.rollout_config.max_actions_per_episode if dm is not None else 0
         width = max(len(tag) for tag in self.history) + 2
         lines = [f"Evaluation success ({getattr(dm, 'val_episodes', '?')} fixed seeds per env, temperature "
                  f"{getattr(dm, 'val_temperature', '?')}):",
-                 f"{'env':<{width}}{'step 0':>8}{'best (step)':>15}{'last (step)':>15}{'random policy':>15}"]
+                 f"{'env':<{width}}{'step 0':>8}{'best (step)':>15}{'last (step)':>15}{'random policy':>15}"
+                 f"{'optimal policy':>16}"]
+
+        def cell(value: float | None, width: int) -> str:
+            return f"{'-' if value is None else f'{value:.3f}':>{width}}"
+
         for tag, points in self.history.items():
             first = next((v for step, v in points if step == 0), None)
             best = max(points, key=lambda p: p[1])
             last = points[-1]
-            rand = random_success(envs[tag], seeds, budget) if tag in envs else None
-            lines.append(f"{tag:<{width}}{'-' if first is None else f'{first:.3f}':>8}"
-                         f"{f'{best[1]:.3f} ({best[0]})':>15}{f'{last[1]:.3f} ({last[0]})':>15}"
-                         f"{'-' if rand is None else f'{rand:.3f}':>15}")
+            refs = self.references.get(tag, {})
+            lines.append(f"{tag:<{width}}{cell(first, 8)}{f'{best[1]:.3f} ({best[0]})':>15}"
+                         f"{f'{last[1]:.3f} ({last[0]})':>15}{cell(refs.get('random_success'), 15)}"
+                         f"{cell(refs.get('optimal_success'), 16)}")
         if log_dir:
             lines.append(f"Run folder: {log_dir} (curves and sample trajectories: ragen-pl report {log_dir})")
         rank_zero_info("\n".join(lines))

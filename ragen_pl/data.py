@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from ragen_pl.baselines import reference_success
 from ragen_pl.config import RolloutConfig, check_int, check_number
 from ragen_pl.dist import gather_objects, gather_rows, max_over_processes, sum_over_processes
 from ragen_pl.envs.base import Env
@@ -148,6 +149,8 @@ class RolloutDataModule(pl.LightningDataModule):
         """The env tags whose failed episodes were warned of (once each)."""
         self.collector: Collector | None = None
         self.eval_results: dict[str, RolloutResult] = {}
+        self._references: dict[tuple, dict[str, float]] = {}
+        """The random and optimal policies' success per evaluation env and seeds (computed once per run)."""
         """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
 
     # ------------------------------------------------------------------------------------------- setup
@@ -337,13 +340,27 @@ class RolloutDataModule(pl.LightningDataModule):
         result = self._collect(specs, temperature=self.val_temperature)
         failed, played = self._check_failures(result, f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
+        references = self.reference_success(env)
+        for name, value in references.items():
+            metrics[f"{prefix}/{env.tag}/{name}"] = torch.tensor(value)
         share = f" (rank 0's share; the logged value averages all {self.world[1]} ranks)" if self.world[1] > 1 else ""
         counted = sum(ep.failed is None for ep in result.episodes)  # what the success share averages
         lost = f"; {int(failed)} of {int(played)} episodes failed and are not counted" if failed else ""
+        beside = ", ".join(f"{name.split('_')[0]} policy {value:.3f}" for name, value in references.items())
         rank_zero_info(f"{prefix}/{env.tag}: success {float(metrics[f'{prefix}/{env.tag}/success']):.3f} over "
-                       f"{counted} episodes{share}{lost}")
+                       f"{counted} episodes{f' ({beside} on the same seeds)' if beside else ''}{share}{lost}")
         self.eval_results[env.tag] = result
         return metrics
+
+    def reference_success(self, env: Env) -> dict[str, float]:
+        """The random and the optimal policy's success on this rank's evaluation seeds of ``env`` with the rollout's
+        action budget (:func:`ragen_pl.baselines.reference_success`), computed at the first evaluation and kept."""
+        seeds = self.eval_seeds()
+        budget = self.rollout_config.max_actions_per_episode
+        key = (env.tag, seeds.start, seeds.stop, seeds.step, budget)
+        if key not in self._references:
+            self._references[key] = reference_success(env, seeds, budget)
+        return self._references[key]
 
     def _check_failures(self, result: RolloutResult, what: str, where: str) -> tuple[float, float]:
         """Count the failed episodes of ``result`` over every process (every rank plays its share at the same point);

@@ -33,6 +33,9 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mismatch.png": ("Sampler vs trainer log-probs (mean |difference|)", "nats", ("mismatch/logprob_abs_diff_mean",)),
 }
 
+#: figure file -> reference metrics drawn dashed beside its curves (the random and the optimal policy)
+REFERENCES: dict[str, tuple[str, ...]] = {"success.png": ("val/*/random_success", "val/*/optimal_success")}
+
 
 def find_metrics(run: Path) -> Path:
     """The run's metrics.csv: the folder's own, or the newest one below it."""
@@ -90,6 +93,13 @@ def plot_runs(runs: dict[str, dict[str, list[tuple[int, float]]]], out: Path) ->
                     label = f"{run}: {key}" if len(runs) > 1 or len(patterns) > 1 else run
                     ax.plot([s for s, _ in points], [v for _, v in points], marker="o" if len(points) < 30 else None,
                             markersize=3, label=label)
+                    lines[label] = points
+            for pattern, style in zip(REFERENCES.get(filename, ()), ("--", ":")):
+                for key in _matching(series, pattern):
+                    points = sorted(series[key])
+                    label = f"{run}: {key}" if len(runs) > 1 else key
+                    ax.plot([s for s, _ in points], [v for _, v in points], linestyle=style, linewidth=1.2,
+                            label=label)
                     lines[label] = points
         ax.set_title(title)
         ax.set_xlabel("iteration")

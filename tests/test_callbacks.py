@@ -202,7 +202,8 @@ def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Evaluation success"))
     lines = summary.splitlines()
     assert lines[0] == "Evaluation success (8 fixed seeds per env, temperature 0.5):"
-    assert lines[1].split() == ["env", "step", "0", "best", "(step)", "last", "(step)", "random", "policy"]
+    assert lines[1].split() == ["env", "step", "0", "best", "(step)", "last", "(step)", "random", "policy",
+                                "optimal", "policy"]
     row = lines[2].split()
     history = next(cb for cb in trainer.callbacks if isinstance(cb, RunSummary)).history["Bandit"]
     assert [step for step, _ in history] == [0, 1, 2]  # the step-0 evaluation, then one after each update
@@ -210,7 +211,16 @@ def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
     assert row[0] == "Bandit" and float(row[1]) == pytest.approx(history[0][1], abs=5e-4)
     assert row[2:6] == [f"{best[1]:.3f}", f"({best[0]})", f"{history[-1][1]:.3f}", f"({history[-1][0]})"]
     assert float(row[6]) == pytest.approx(random_success(Bandit(), range(1_000_000, 1_000_008), 1), abs=5e-4)
+    assert float(row[7]) == 1.0  # the expert pulls the high-risk arm
     assert lines[-1].startswith("Run folder: ")
+    # Every evaluation logged both beside the model's success, and its console line says them.
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/Bandit/success")]
+    assert len(rows) == 3 and {r["val/Bandit/optimal_success"] for r in rows} == {"1.0"}
+    assert all(float(r["val/Bandit/random_success"]) == pytest.approx(float(row[6]), abs=5e-4) for r in rows)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("val/Bandit: success")]
+    assert said and all(f"(random policy {float(row[6]):.3f}, optimal policy 1.000 on the same seeds)" in m
+                        for m in said)
 
 
 def test_random_success_by_hand():
@@ -222,6 +232,47 @@ def test_random_success_by_hand():
     share = random_success(Bandit(), range(200), budget=1, repeats=5)
     assert 0.43 < share < 0.57  # 1,000 fair coin flips: 3.5 standard deviations either side
     assert random_success(Countdown(), range(3), budget=1) is None
+
+
+def test_the_optimal_policy_by_hand_and_envs_without_one():
+    """The expert on FrozenLake not slippery reaches the goal of every map within the shortest path's actions, and no
+    fewer; slippery, value iteration's success is its optimal probability up to sampling; an env without an expert,
+    or without named actions, simply has no such reference."""
+    from ragen_pl.baselines import optimal_success, reference_success
+    from ragen_pl.envs.base import Env
+    from ragen_pl.envs.countdown import Countdown
+    from ragen_pl.envs.frozen_lake import FrozenLake, shortest_path, value_iteration
+
+    lake = FrozenLake(slippery=False)
+    lengths = []
+    for s in range(40):
+        lake.reset(s)
+        lengths.append(len(shortest_path(lake)))
+    assert optimal_success(lake, range(40), budget=max(lengths)) == 1.0
+    assert optimal_success(lake, range(40), budget=3) == pytest.approx(sum(n <= 3 for n in lengths) / 40)
+    slippery = FrozenLake()
+    expected = []
+    for s in range(200):
+        slippery.reset(s)
+        expected.append(value_iteration(slippery)[0][slippery.start])
+    measured = optimal_success(slippery, range(200), budget=100)
+    assert abs(measured - sum(expected) / 200) < 0.1  # 200 episodes: about 3 standard errors (a fixed draw)
+    assert reference_success(Countdown(), range(3), budget=1) == {"optimal_success": 1.0}
+
+    class Plain(Env):
+        actions = ("a",)
+        instructions = "press a"
+
+        def reset(self, seed):
+            return "s"
+
+        def step(self, action):
+            return "s", 1.0, True, {"success": True}
+
+        def render(self):
+            return "s"
+
+    assert reference_success(Plain(), range(4), budget=2) == {"random_success": 1.0}
 
 
 class Replay(pl.Callback):

@@ -87,3 +87,14 @@ def test_run_labels_keep_only_the_parts_that_tell_runs_apart(tmp_path):
     assert run_names(runs) == ["gigpo/seed0", "gigpo/seed1", "grpo/seed0", "grpo/seed1"]
     assert run_names([tmp_path / "a" / "version_0", tmp_path / "a" / "version_1"]) == ["version_0", "version_1"]
     assert run_names([tmp_path / "x" / "version_3"]) == ["version_3"]
+
+
+def test_the_success_figure_draws_the_random_and_optimal_policy_dashed(tmp_path):
+    run = tmp_path / "lake"
+    run.mkdir()
+    (run / "metrics.csv").write_text("epoch,step,val/FrozenLake/success,val/FrozenLake/random_success,"
+                                     "val/FrozenLake/optimal_success\n0,0,0.1,0.2,0.5\n0,10,0.3,0.2,0.5\n")
+    success = report([run], tmp_path / "out")["success.png"]
+    assert success["val/FrozenLake/random_success"] == [(0, 0.2), (10, 0.2)]
+    assert success["val/FrozenLake/optimal_success"] == [(0, 0.5), (10, 0.5)]
+    assert success["lake: val/FrozenLake/success"] == [(0, 0.1), (10, 0.3)]

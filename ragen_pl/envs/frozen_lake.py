@@ -121,8 +121,15 @@ class FrozenLake(Env):
         return grid_text(rows, self.cell_separator)
 
     def expert_action(self) -> str:
+        """The optimal move: on ice that does not slip the first move of a shortest path; on slippery ice value
+        iteration's, discounted by 0.99 so that of moves with the same chance of reaching the goal it takes the one
+        that gets there sooner (undiscounted, every tile from which the goal is sure ties, and the policy can walk
+        in circles)."""
+        if not self.slippery:
+            path = shortest_path(self)
+            return path[0] if path else "Left"
         if self._policy is None:
-            self._policy = value_iteration(self)[1]
+            self._policy = value_iteration(self, gamma=0.99)[1]
         return self._policy.get(self.pos, "Left")
 
     def effective_actions(self) -> tuple[str, ...]:
@@ -216,11 +223,12 @@ def action_values(env: FrozenLake, budget: int) -> dict[str, float]:
     return {name: q(values, env.pos, i) for i, name in enumerate(env.actions)}
 
 
-def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000):
+def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000, gamma: float = 1.0):
     """Optimal success probability and greedy policy under the env's transition rule.
 
     Returns ``(values, policy)``: dicts from tile to the probability of reaching the goal when acting optimally
-    (without a step limit), and to the best action name.
+    (without a step limit; with ``gamma`` < 1, that probability discounted by the steps it takes), and to the best
+    action name.
     """
     n, outcomes = env.size, _outcomes(env)
     tiles = [(r, c) for r in range(n) for c in range(n)]
@@ -228,7 +236,7 @@ def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000
     values[env.goal] = 1.0
 
     def q(cell, a):
-        return sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+        return gamma * sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
 
     for _ in range(max_iters):
         delta = 0.0
