@@ -35,7 +35,7 @@ def _error(capsys, argv) -> list[str]:
     ("--no_such_flag", r"^error: unrecognized argument '--no_such_flag'\.$"),
     ("--trainer.max_step=5", r"^error: unrecognized argument '--trainer.max_step=5'\. Did you mean '--trainer.max_steps'\?$"),
     ("--model.advantage=grpoo", r"^error: --model.advantage: 'grpoo' not found in ragen_pl.advantages\. Available: "
-                                r"bilevel_gae, dr_grpo, gae, grpo, reinforce_pp, rloo\. Did you mean 'grpo'\?$"),
+                                r"bilevel_gae, dr_grpo, gae, gigpo, grpo, reinforce_pp, rloo\. Did you mean 'grpo'\?$"),
     ("--data.filter=variance_topp", r"^error: --data.filter: 'variance_topp' not found .* Did you mean 'variance_top_p'\?$"),
     ("--model.ppo.clip_low=abc", r"^error: --model.ppo.clip_low: Expected a float\. Got value: abc$"),
     ("--data.n_groups=x", r"^error: --data.n_groups: Expected a int\. Got value: x$"),

@@ -11,6 +11,7 @@ from ragen_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BASES = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
+RAGEN2 = sorted((ROOT / "configs" / "ragen2").glob("*.yaml"))
 VARIANTS = sorted((ROOT / "configs" / "variants").glob("*.yaml"))
 
 SHRINK = [
@@ -156,3 +157,13 @@ def test_unknown_component_name_lists_the_available_ones(capsys):
         main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), "--data.env=nope", "--print_config"])
     err = capsys.readouterr().err
     assert "'nope' not found in ragen_pl.envs. Available: bandit, countdown, frozen_lake, gymnasium, openenv, sokoban" in err
+
+
+@pytest.mark.parametrize("config", [p for p in RAGEN2 if p.stem != "nofilter"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("filtered", [True, False], ids=["filter", "nofilter"])
+def test_ragen2_main_table_configs_run_one_step(config, filtered, tiny_model_path, tmp_path, monkeypatch):
+    """configs/ragen2: RAGEN-2's main-table settings, with and without its filter, each run one step."""
+    monkeypatch.chdir(tmp_path)
+    nofilter = [] if filtered else ["--config", str(ROOT / "configs" / "ragen2" / "nofilter.yaml")]
+    assert main(["fit", "--config", str(config), *nofilter, f"--model.model={tiny_model_path}", *SHRINK,
+                 "--model.ppo.micro_batch_size=4"]) == 0

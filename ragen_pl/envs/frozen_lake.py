@@ -3,8 +3,15 @@
 A square map; each tile is frozen with probability ``frozen_prob`` (0.8), the rest are holes. RAGEN's generator (the
 default, ``layout="random"``) then draws the start and the goal as two distinct random tiles; Gymnasium's
 (``layout="corners"``) puts them in the top-left and bottom-right corners. Maps are redrawn until a path of frozen
-tiles joins start and goal. With ``slippery`` the intended move happens with probability 1/3 and each perpendicular
-move with 1/3 (Gymnasium's rule). Reward 1 on reaching the goal; the episode ends at the goal or in a hole.
+tiles joins start and goal. With ``slippery`` the intended move happens with probability ``success_rate`` and each
+perpendicular move with half the rest (Gymnasium's rule; 1/3 each by default, RAGEN v1's). Reward 1 on reaching the
+goal; the episode ends at the goal or in a hole.
+
+RAGEN-2 (mll-lab-nu/RAGEN, 2025-11) draws tiles frozen with probability 0.9, sets ``success_rate`` 0.8 (1 in its
+main table) and writes the state as a ``grid``, as ``coord`` (zero-indexed coordinates of start, goal, player and
+holes) or both (``grid_coord``, its CoordFrozenLake). ``generator="ragen2"`` draws maps and slips exactly as its env
+does (NumPy's PCG64 seeded through Gymnasium's seeding), so a seed gives RAGEN-2's episode, text for text;
+``generator="ragen_pl"`` (the default) draws from the same distribution with Python's ``random``.
 
 Action order is Gymnasium's (Left, Down, Right, Up), so the two perpendicular moves of action ``a`` are
 ``(a - 1) % 4`` and ``(a + 1) % 4``.
@@ -34,6 +41,9 @@ class FrozenLake(Env):
         max_steps: int = 100,
         layout: Literal["random", "corners"] = "random",
         cell_separator: str = "",
+        success_rate: float = 1 / 3,
+        observation_format: Literal["grid", "coord", "grid_coord"] = "grid",
+        generator: Literal["ragen_pl", "ragen2"] = "ragen_pl",
         tag: str | None = None,
     ) -> None:
         """
@@ -46,6 +56,12 @@ class FrozenLake(Env):
                 ``corners`` (Gymnasium's; 6.0 moves, a much harder task).
             cell_separator: text between the cells of a row: ``""`` is RAGEN's layout; ``" "`` gives every cell
                 its own token under a BPE tokenizer (:func:`ragen_pl.envs.base.grid_text`). Same maps and rules.
+            success_rate: on slippery ice, the probability of the intended move; each perpendicular one gets half
+                the rest (1/3: RAGEN v1's and Gymnasium's default; RAGEN-2's 0.8, 1 in its main table).
+            observation_format: ``grid`` (the symbols), ``coord`` (zero-indexed coordinates of start, goal, player
+                and holes) or ``grid_coord`` (both, RAGEN-2's CoordFrozenLake).
+            generator: ``ragen_pl`` (Python's ``random``) or ``ragen2`` (RAGEN-2's own draws of maps and slips,
+                seed for seed; needs ``layout: random``).
             tag: metrics tag (default ``FrozenLake``).
         """
         super().__init__(tag)
@@ -58,6 +74,15 @@ class FrozenLake(Env):
         check_int("max_steps", max_steps, 1)
         if layout not in ("random", "corners"):
             raise ValueError(f"`layout` must be 'random' or 'corners', got {layout!r}")
+        check_range("success_rate", success_rate, 0.0, 1.0)
+        if observation_format not in ("grid", "coord", "grid_coord"):
+            raise ValueError(f"`observation_format` must be 'grid', 'coord' or 'grid_coord', got {observation_format!r}")
+        if generator not in ("ragen_pl", "ragen2"):
+            raise ValueError(f"`generator` must be 'ragen_pl' or 'ragen2', got {generator!r}")
+        if generator == "ragen2" and layout != "random":
+            raise ValueError("`generator: ragen2` draws RAGEN-2's maps, whose start and goal are random: it needs "
+                             "`layout: random`")
+        self.success_rate, self.observation_format, self.generator = float(success_rate), observation_format, generator
         self.layout = layout
         self.cell_separator = check_separator("cell_separator", cell_separator, SYMBOLS.values())
         self.size, self.frozen_prob, self.slippery, self.max_steps = size, float(frozen_prob), slippery, max_steps
@@ -72,16 +97,30 @@ class FrozenLake(Env):
     def instructions(self) -> str:
         s = SYMBOLS
         slip = (
-            " The ice is slippery: you may move perpendicular to the direction you chose." if self.slippery else ""
+            " The ice is slippery: you may move perpendicular to the direction you chose."
+            if self.slippery and self.success_rate < 1 else ""
         )
-        return (
-            "You are walking on a frozen lake. Reach the goal without falling into a hole." + slip + "\n"
+        corner = f"({self.size - 1}, {self.size - 1})"
+        shown = {
+            "grid": "",
+            "coord": " The observation gives the zero-indexed coordinates (row, column) of the start, goal, player and "
+                     f"any holes, from the top-left corner (0, 0) to the bottom-right corner {corner}.",
+            "grid_coord": " The observation includes both a symbol grid and zero-indexed coordinates (row, column) for "
+                          "the start, goal, player, and any holes, from the top-left corner (0, 0) to the bottom-right "
+                          f"corner {corner}.",
+        }[self.observation_format]
+        legend = "" if self.observation_format == "coord" else (
             f"Symbols: {s['player']} player, {s['frozen']} frozen, {s['hole']} hole, {s['goal']} goal, "
-            f"{s['player_in_hole']} player in hole, {s['player_on_goal']} player on goal.\n"
-            "Actions: Left, Down, Right, Up."
-        )
+            f"{s['player_in_hole']} player in hole, {s['player_on_goal']} player on goal.\n")
+        return ("You are walking on a frozen lake. Reach the goal without falling into a hole." + shown + slip + "\n"
+                + legend + "Actions: Left, Down, Right, Up.")
 
     def reset(self, seed: int) -> str:
+        if self.generator == "ragen2":
+            self.holes, self.start, self.goal = _ragen2_map(self.size, self.frozen_prob, seed)
+            self.pos, self.steps, self._policy = self.start, 0, None
+            self._rng = _Ragen2Slips(seed)
+            return self.render()
         self._rng = rng = random.Random(seed)
         n = self.size
         while True:  # draw the tiles, then start and goal over them, until a path joins the two
@@ -104,6 +143,23 @@ class FrozenLake(Env):
         return self.pos
 
     def render(self) -> str:
+        if self.observation_format == "grid":
+            return self.grid()
+        coords = self.coordinates()
+        return coords if self.observation_format == "coord" else f"Coordinates: \n{coords}\nGrid Map: \n{self.grid()}"
+
+    def coordinates(self) -> str:
+        """The state as RAGEN-2 writes it in coordinates: board size, then start, goal, player (on the goal, in a
+        hole) and holes, zero-indexed (row, column), holes in reading order."""
+        where = {self.goal: "Player on goal"}.get(self.pos, "Player in hole" if self.pos in self.holes else "Player")
+        lines = [f"Board size: {self.size} rows x {self.size} cols (zero-indexed).", f"Start: {self.start}",
+                 f"Goal: {self.goal}", f"{where}: {self.pos}"]
+        if self.holes:
+            lines.append("Holes: " + ", ".join(str(h) for h in sorted(self.holes)))
+        return "\n".join(lines)
+
+    def grid(self) -> str:
+        """The state as a grid of symbols (RAGEN's)."""
         s = SYMBOLS
         rows = []
         for r in range(self.size):
@@ -146,8 +202,13 @@ class FrozenLake(Env):
         index = self.parse_action(action)
         if index is None or self.finished:
             return self.invalid(self.render())
-        if self.slippery:
-            index = (index + self._rng.choice((-1, 0, 1))) % 4
+        if isinstance(self._rng, _Ragen2Slips):
+            index = (index + self._rng.turn(self.slippery, self.success_rate)) % 4
+        elif self.slippery and self.success_rate == 1 / 3:
+            index = (index + self._rng.choice((-1, 0, 1))) % 4  # RAGEN v1's draw (kept: same seeds, same slips)
+        elif self.slippery:
+            u, fail = self._rng.random(), (1 - self.success_rate) / 2
+            index = (index + (-1 if u < fail else 0 if u < fail + self.success_rate else 1)) % 4
         dr, dc = _MOVES[index]
         r, c = self.pos
         new = (min(max(r + dr, 0), self.size - 1), min(max(c + dc, 0), self.size - 1))
@@ -196,9 +257,49 @@ def shortest_path(env: FrozenLake) -> list[str] | None:
     return names
 
 
-def _outcomes(env: FrozenLake) -> tuple[int, ...]:
-    """Turns an intended move may take: none, or (slippery) also each perpendicular one, all equally likely."""
-    return (-1, 0, 1) if env.slippery else (0,)
+def _outcomes(env: FrozenLake) -> tuple[tuple[int, float], ...]:
+    """(turn, probability) of an intended move: straight on; on slippery ice also each perpendicular turn."""
+    if not env.slippery:
+        return ((0, 1.0),)
+    fail = (1 - env.success_rate) / 2
+    return ((-1, fail), (0, env.success_rate), (1, fail))
+
+
+class _Ragen2Slips:
+    """RAGEN-2's slips: its env is Gymnasium's FrozenLake reset with the episode's seed, whose generator (PCG64
+    seeded through Gymnasium's seeding) draws once for the start tile at reset and once per step, the turn being the
+    first of (-1, 0, +1) whose cumulative probability passes the draw (Gymnasium's ``categorical_sample``)."""
+
+    def __init__(self, seed: int) -> None:
+        import numpy as np
+
+        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+        self._rng.random()  # the reset's draw of the (single) start tile
+
+    def turn(self, slippery: bool, success_rate: float) -> int:
+        u = self._rng.random()
+        if not slippery:
+            return 0
+        fail = (1.0 - success_rate) / 2.0
+        cumulative = (fail, fail + success_rate, fail + success_rate + fail)
+        return (-1, 0, 1)[next((i for i, c in enumerate(cumulative) if c > u), 2)]
+
+
+def _ragen2_map(n: int, frozen_prob: float, seed: int):
+    """RAGEN-2's ``generate_random_map``: tiles frozen with ``frozen_prob`` (NumPy's ``choice``), then start and goal
+    as two random tiles over them, redrawn until they differ and a path of non-hole tiles joins them."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+    while True:
+        board = rng.choice(["F", "H"], (n, n), p=[frozen_prob, 1 - frozen_prob])
+        start = tuple(int(x) for x in rng.integers(n, size=2))
+        goal = tuple(int(x) for x in rng.integers(n, size=2))
+        if start == goal:
+            continue
+        holes = frozenset((r, c) for r in range(n) for c in range(n) if board[r][c] == "H") - {start, goal}
+        if _path(n, holes, start, goal) is not None:
+            return holes, start, goal
 
 
 def _moved(n: int, cell: tuple[int, int], a: int) -> tuple[int, int]:
@@ -214,7 +315,7 @@ def action_values(env: FrozenLake, budget: int) -> dict[str, float]:
     cells = [(r, c) for r in range(n) for c in range(n)]
 
     def q(values, cell, a):
-        return sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+        return sum(p * values[_moved(n, cell, (a + o) % 4)] for o, p in outcomes)
 
     values = {c: float(c == env.goal) for c in cells}  # no action left
     for _ in range(budget - 1):
@@ -236,7 +337,7 @@ def value_iteration(env: FrozenLake, tol: float = 1e-10, max_iters: int = 10_000
     values[env.goal] = 1.0
 
     def q(cell, a):
-        return gamma * sum(values[_moved(n, cell, (a + o) % 4)] for o in outcomes) / len(outcomes)
+        return gamma * sum(p * values[_moved(n, cell, (a + o) % 4)] for o, p in outcomes)
 
     for _ in range(max_iters):
         delta = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from ragen_pl.envs.base import Env, StepResult, check_int, check_separator, grid_text
 
@@ -56,6 +57,7 @@ class Sokoban(Env):
         search_depth: int = 300,
         symbols: Mapping[str, str] | None = None,
         cell_separator: str = "",
+        observation_format: Literal["grid", "coord", "grid_coord"] = "grid",
         tag: str | None = None,
     ) -> None:
         """
@@ -68,6 +70,8 @@ class Sokoban(Env):
             symbols: text vocabulary, a mapping with exactly the keys of ``DEFAULT_SYMBOLS``.
             cell_separator: text between the cells of a row: ``""`` is RAGEN's layout; ``" "`` gives every cell
                 its own token under a BPE tokenizer (:func:`ragen_pl.envs.base.grid_text`). Same rooms and rules.
+            observation_format: ``grid`` (the symbols), ``coord`` (zero-indexed coordinates of targets, boxes and
+                the player, RAGEN-2's) or ``grid_coord`` (both, RAGEN-2's CoordSokoban).
             tag: metrics tag (default ``Sokoban``).
         """
         super().__init__(tag)
@@ -88,6 +92,9 @@ class Sokoban(Env):
         self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
         self.symbols = _check_symbols(symbols)
         self.cell_separator = check_separator("cell_separator", cell_separator, self.symbols.values())
+        if observation_format not in ("grid", "coord", "grid_coord"):
+            raise ValueError(f"`observation_format` must be 'grid', 'coord' or 'grid_coord', got {observation_format!r}")
+        self.observation_format = observation_format
         self._deltas = tuple(dr * self.cols + dc for dr, dc in _DIRECTIONS)
         self.fixed: list[int] = [WALL] * (self.rows * self.cols)
         self.boxes: set[int] = set()
@@ -98,16 +105,50 @@ class Sokoban(Env):
     @property
     def instructions(self) -> str:
         s = self.symbols
-        return (
-            "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. "
-            "When you are right next to a box, you can push it by moving in the same direction. You cannot push a "
-            "box through a wall or into another box, and you cannot pull a box.\n"
+        corner = f"({self.rows - 1}, {self.cols - 1})"
+        shown = {
+            "grid": "",
+            "coord": " You are given the zero-indexed coordinates (row, column) of each target, each box and the "
+                     f"player, from the top-left corner (0, 0) to the bottom-right corner {corner}; walls are not "
+                     "listed.",
+            "grid_coord": " You are provided with a symbol grid and the zero-indexed coordinates (row, column) of the "
+                          f"player, each box, and each target, from the top-left corner (0, 0) to the bottom-right "
+                          f"corner {corner}.",
+        }[self.observation_format]
+        legend = "" if self.observation_format == "coord" else (
             f"Symbols: {s['wall']} wall, {s['empty']} empty, {s['target']} target, {s['box_on_target']} box on "
-            f"target, {s['box']} box, {s['player']} player, {s['player_on_target']} player on target.\n"
-            "Actions: Up, Down, Left, Right."
+            f"target, {s['box']} box, {s['player']} player, {s['player_on_target']} player on target.\n")
+        return (
+            "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets."
+            + shown + " When you are right next to a box, you can push it by moving in the same direction. You cannot "
+            "push a box through a wall or into another box, and you cannot pull a box.\n" + legend
+            + "Actions: Up, Down, Left, Right."
         )
 
     def render(self) -> str:
+        if self.observation_format == "grid":
+            return self.grid()
+        coords = self.coordinates()
+        return coords if self.observation_format == "coord" else f"Coordinates: \n{coords}\nGrid Map: \n{self.grid()}"
+
+    def coordinates(self) -> str:
+        """The state as RAGEN-2 writes it in coordinates: board size, then targets, boxes off and on targets and the
+        player (on a target or not), zero-indexed (row, column), each list in reading order; walls are left out."""
+        at = lambda cells: ", ".join(str(divmod(i, self.cols)) for i in sorted(cells))  # noqa: E731
+        targets = [i for i, kind in enumerate(self.fixed) if kind == TARGET]
+        on = [b for b in self.boxes if self.fixed[b] == TARGET]
+        off = [b for b in self.boxes if self.fixed[b] != TARGET]
+        lines = [f"Board size: {self.rows} rows x {self.cols} cols (zero-indexed).", f"Targets: {at(targets)}"]
+        if off:
+            lines.append(f"Boxes: {at(off)}")
+        if on:
+            lines.append(f"Boxes on target: {at(on)}")
+        player = "Player on target" if self.fixed[self.player] == TARGET else "Player"
+        lines.append(f"{player}: {at([self.player])}")
+        return "\n".join(lines)
+
+    def grid(self) -> str:
+        """The state as a grid of symbols (RAGEN's)."""
         s = self.symbols
         cells = []
         for i, kind in enumerate(self.fixed):
