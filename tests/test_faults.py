@@ -509,7 +509,9 @@ def test_failed_episodes_are_counted_where_the_user_looks(tiny_model_path, tmp_p
     assert code == 0
     text = [r.getMessage() for r in caplog.records]
     evals = [m for m in text if m.startswith("val/FlakyBandit: success")]
-    assert evals and all(m.endswith("over 2 episodes; 2 of 4 episodes failed and are not counted") for m in evals)
+    # ... and the random and optimal policies beside it, on the seeds whose episodes could be played
+    assert evals and all(m.endswith("on the same seeds); 2 of 4 episodes failed and are not counted")
+                         and "over 2 episodes (random policy " in m and "optimal policy 1.000" in m for m in evals)
     warned = [str(w.message) for w in recwarn if "episodes fail (" in str(w.message)]
     assert len(warned) == 1 and warned[0].endswith(  # the step-0 evaluation plays first
         "the first: seed 1000001: reset: RuntimeError: seed 1000001 is odd"), warned
