@@ -20,7 +20,6 @@ the mean curves (``credit_success.png``) and every run side by side with ``ragen
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from ragen_pl.report import read_series
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ROOT / "configs" / "variants"
@@ -73,9 +74,7 @@ def run(recipe: str, seed: int, model: str, steps: int, val_episodes: int, out: 
 
 def evaluation(run_dir: Path, tag: str = "FrozenLakeNoSlip") -> list[tuple[int, float]]:
     """(step, evaluation success) of every evaluation of a run."""
-    with open(run_dir / "metrics.csv") as f:
-        return [(int(r["step"]), float(r[f"val/{tag}/success"])) for r in csv.DictReader(f)
-                if r.get(f"val/{tag}/success")]
+    return read_series(run_dir / "metrics.csv").get(f"val/{tag}/success", [])
 
 
 def latest_run(out: Path, recipe: str, seed: int) -> Path:

@@ -23,12 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections import Counter
 
 from ragen_pl.envs.bandit import Bandit
@@ -104,30 +99,14 @@ def play_sessions(envs: list, rounds: int, seed: int = 0) -> tuple[float, int]:
 
 def openenv_rates(sessions: int, rounds: int) -> tuple[float, float]:
     """Env calls per second through ``ragen-pl serve`` over loopback and in-process, ``sessions`` at once."""
-    from ragen_pl.envs.openenv import OpenEnvClient
+    from ragen_pl.envs.openenv import OpenEnvClient, served
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile("w+")
-    server = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", "frozen_lake", "--port",
-                               str(port), "--max-sessions", str(sessions + 1)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.3)
+    with served("frozen_lake", max_sessions=sessions + 1) as (url, _):  # + the client's probe
         client = OpenEnvClient(url)
         remote = [[copy.deepcopy(client) for _ in range(sessions)] for _ in range(3)]
         local = [[FrozenLake() for _ in range(sessions)] for _ in range(3)]
         seconds_remote = min(play_sessions(envs, rounds, 1000 * k) for k, envs in enumerate(remote))
         seconds_local = min(play_sessions(envs, rounds, 1000 * k) for k, envs in enumerate(local))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     return seconds_remote[1] / seconds_remote[0], seconds_local[1] / seconds_local[0]
 
 

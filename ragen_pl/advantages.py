@@ -208,12 +208,12 @@ def discounted_step_returns(rewards: Tensor, episodes: Tensor, gamma: float) -> 
         rewards: (N,) one reward per step.
         episodes: (N,) the episode of each step; an episode's steps are consecutive and in order.
     """
-    out = rewards.new_zeros(rewards.shape, dtype=torch.float64)
-    running, after = 0.0, None
-    for k, (r, e) in enumerate(zip(reversed(rewards.tolist()), reversed(episodes.tolist()))):
+    out, running, after = [], 0.0, None
+    for r, e in zip(reversed(rewards.tolist()), reversed(episodes.tolist())):
         running = r + (gamma * running if e == after else 0.0)
-        out[len(rewards) - 1 - k], after = running, e
-    return out
+        out.append(running)
+        after = e
+    return torch.tensor(out[::-1], dtype=torch.float64, device=rewards.device)
 
 
 def _relative(x: Tensor, keys: Tensor, mode: str, eps: float) -> Tensor:

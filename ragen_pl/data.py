@@ -149,9 +149,9 @@ class RolloutDataModule(pl.LightningDataModule):
         """The env tags whose failed episodes were warned of (once each)."""
         self.collector: Collector | None = None
         self.eval_results: dict[str, RolloutResult] = {}
+        """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
         self._references: dict[tuple, dict[str, float]] = {}
         """The random and optimal policies' success per evaluation env and seeds (computed once per run)."""
-        """The latest evaluation's episodes of this rank, by env tag (for :class:`~ragen_pl.callbacks.TrajectorySamples`)."""
 
     # ------------------------------------------------------------------------------------------- setup
     @property

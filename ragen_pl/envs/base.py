@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypedDict
 
 from ragen_pl.config import check_int
 
-__all__ = ["Env", "StepInfo", "StepResult", "check_int", "check_range", "check_separator", "grid_text", "state_id"]
+__all__ = ["OBSERVATION_FORMATS", "Env", "StepInfo", "StepResult", "anchor_state", "check_int", "check_observation_format",
+           "check_range", "check_separator", "formatted_observation", "grid_text", "state_id"]
 
 
 class StepInfo(TypedDict, total=False):
@@ -131,12 +132,35 @@ def state_id(key: Hashable) -> int:
                 check(part)
         elif not isinstance(k, _KEY_ATOMS):
             raise TypeError(f"state_key() must return a str, int, float, bool, bytes, None or a tuple of them, got "
-                            f"{key!r} "
-                            f"(a {type(k).__name__} inside)")
+                            f"{key!r} (a {type(k).__name__} inside)")
 
     check(key)
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def anchor_state(env: Env, observation: str) -> int:
+    """The id of the state ``env`` is in, whose text is ``observation``: its ``state_key()``, else the text."""
+    key = env.state_key()
+    return state_id(observation if key is None else key)
+
+
+#: How a grid env writes its state (RAGEN-2's): the symbols, zero-indexed coordinates, or both.
+OBSERVATION_FORMATS = ("grid", "coord", "grid_coord")
+
+
+def check_observation_format(value: Any) -> str:
+    if value not in OBSERVATION_FORMATS:
+        raise ValueError(f"`observation_format` must be 'grid', 'coord' or 'grid_coord', got {value!r}")
+    return value
+
+
+def formatted_observation(observation_format: str, grid: Callable[[], str], coordinates: Callable[[], str]) -> str:
+    """The state in ``observation_format``: the grid, the coordinates, or both as RAGEN-2 joins them."""
+    if observation_format == "grid":
+        return grid()
+    coords = coordinates()
+    return coords if observation_format == "coord" else f"Coordinates: \n{coords}\nGrid Map: \n{grid()}"
 
 
 def check_separator(name: str, value: Any, symbols: Iterable[str]) -> str:

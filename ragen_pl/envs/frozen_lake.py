@@ -23,7 +23,16 @@ import random
 from collections import deque
 from typing import Literal
 
-from ragen_pl.envs.base import Env, StepResult, check_int, check_range, check_separator, grid_text
+from ragen_pl.envs.base import (
+    Env,
+    StepResult,
+    check_int,
+    check_observation_format,
+    check_range,
+    check_separator,
+    formatted_observation,
+    grid_text,
+)
 
 _MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up
 
@@ -75,8 +84,7 @@ class FrozenLake(Env):
         if layout not in ("random", "corners"):
             raise ValueError(f"`layout` must be 'random' or 'corners', got {layout!r}")
         check_range("success_rate", success_rate, 0.0, 1.0)
-        if observation_format not in ("grid", "coord", "grid_coord"):
-            raise ValueError(f"`observation_format` must be 'grid', 'coord' or 'grid_coord', got {observation_format!r}")
+        check_observation_format(observation_format)
         if generator not in ("ragen_pl", "ragen2"):
             raise ValueError(f"`generator` must be 'ragen_pl' or 'ragen2', got {generator!r}")
         if generator == "ragen2" and layout != "random":
@@ -143,10 +151,7 @@ class FrozenLake(Env):
         return self.pos
 
     def render(self) -> str:
-        if self.observation_format == "grid":
-            return self.grid()
-        coords = self.coordinates()
-        return coords if self.observation_format == "coord" else f"Coordinates: \n{coords}\nGrid Map: \n{self.grid()}"
+        return formatted_observation(self.observation_format, self.grid, self.coordinates)
 
     def coordinates(self) -> str:
         """The state as RAGEN-2 writes it in coordinates: board size, then start, goal, player (on the goal, in a
@@ -207,8 +212,7 @@ class FrozenLake(Env):
         elif self.slippery and self.success_rate == 1 / 3:
             index = (index + self._rng.choice((-1, 0, 1))) % 4  # RAGEN v1's draw (kept: same seeds, same slips)
         elif self.slippery:
-            u, fail = self._rng.random(), (1 - self.success_rate) / 2
-            index = (index + (-1 if u < fail else 0 if u < fail + self.success_rate else 1)) % 4
+            index = (index + _slip(self._rng.random(), self.success_rate)) % 4
         dr, dc = _MOVES[index]
         r, c = self.pos
         new = (min(max(r + dr, 0), self.size - 1), min(max(c + dc, 0), self.size - 1))
@@ -265,32 +269,37 @@ def _outcomes(env: FrozenLake) -> tuple[tuple[int, float], ...]:
     return ((-1, fail), (0, env.success_rate), (1, fail))
 
 
+def _slip(u: float, success_rate: float) -> int:
+    """The turn a uniform draw ``u`` gives: the first of (-1, 0, +1) whose cumulative probability (half the failure,
+    then the intended move, then the other half) passes ``u``, as Gymnasium's ``categorical_sample`` picks it."""
+    fail = (1.0 - success_rate) / 2.0
+    return -1 if u < fail else 0 if u < fail + success_rate else 1
+
+
+def _gymnasium_rng(seed: int):
+    """The generator ``gymnasium.utils.seeding.np_random(seed)`` makes: NumPy's PCG64 from a SeedSequence."""
+    import numpy as np
+
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+
+
 class _Ragen2Slips:
-    """RAGEN-2's slips: its env is Gymnasium's FrozenLake reset with the episode's seed, whose generator (PCG64
-    seeded through Gymnasium's seeding) draws once for the start tile at reset and once per step, the turn being the
-    first of (-1, 0, +1) whose cumulative probability passes the draw (Gymnasium's ``categorical_sample``)."""
+    """RAGEN-2's slips: its env is Gymnasium's FrozenLake reset with the episode's seed, whose generator draws once
+    for the start tile at reset and once per step, slippery or not (:func:`_slip`)."""
 
     def __init__(self, seed: int) -> None:
-        import numpy as np
-
-        self._rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+        self._rng = _gymnasium_rng(seed)
         self._rng.random()  # the reset's draw of the (single) start tile
 
     def turn(self, slippery: bool, success_rate: float) -> int:
         u = self._rng.random()
-        if not slippery:
-            return 0
-        fail = (1.0 - success_rate) / 2.0
-        cumulative = (fail, fail + success_rate, fail + success_rate + fail)
-        return (-1, 0, 1)[next((i for i, c in enumerate(cumulative) if c > u), 2)]
+        return _slip(u, success_rate) if slippery else 0
 
 
 def _ragen2_map(n: int, frozen_prob: float, seed: int):
     """RAGEN-2's ``generate_random_map``: tiles frozen with ``frozen_prob`` (NumPy's ``choice``), then start and goal
     as two random tiles over them, redrawn until they differ and a path of non-hole tiles joins them."""
-    import numpy as np
-
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+    rng = _gymnasium_rng(seed)
     while True:
         board = rng.choice(["F", "H"], (n, n), p=[frozen_prob, 1 - frozen_prob])
         start = tuple(int(x) for x in rng.integers(n, size=2))

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from ragen_pl.envs.base import Env, StepResult
+from ragen_pl.registry import import_class_path
 
 __all__ = ["GymnasiumEnv"]
 
@@ -87,13 +88,12 @@ class GymnasiumEnv(Env):
             import gymnasium
         except ImportError as err:
             raise ImportError("the gymnasium env needs Gymnasium: pip install 'ragen-pl[gymnasium]'") from err
-        from ragen_pl.registry import import_class_path
 
         self.id, self.kwargs = id, dict(kwargs or {})
-        probe = self._make()
+        probe = self._make(ansi=False)
         built_in = _BUILT_IN.get(type(probe.unwrapped).__name__)
-        self._parser = self._named(import_class_path, "action_parser", action_parser)
-        self._text = self._named(import_class_path, "observation_text", observation_text)
+        self._parser = _function("action_parser", action_parser)
+        self._text = _function("observation_text", observation_text)
         space = probe.action_space
         self._first_action = int(getattr(space, "start", 0))  # Discrete(n, start): actions start..start+n-1
         if action_names is not None:
@@ -123,24 +123,10 @@ class GymnasiumEnv(Env):
         self._obs: Any = None
         self._done = False
 
-    @staticmethod
-    def _named(import_class_path, flag: str, path: str | None):
-        if path is None:
-            return None
-        try:
-            fn = import_class_path(path)
-        except Exception as err:
-            raise ValueError(f"`--data.env.init_args.{flag}`: cannot import {path!r}: {err}") from None
-        if not callable(fn):
-            raise ValueError(f"`--data.env.init_args.{flag}`: {path!r} is not callable")
-        return fn
-
-    def _make(self):
+    def _make(self, ansi: bool):
         import gymnasium
 
-        kwargs = dict(self.kwargs)
-        if getattr(self, "_ansi", False):
-            kwargs["render_mode"] = "ansi"
+        kwargs = {**self.kwargs, "render_mode": "ansi"} if ansi else self.kwargs
         try:
             return gymnasium.make(self.id, **kwargs)
         except Exception as err:
@@ -153,7 +139,7 @@ class GymnasiumEnv(Env):
 
     def reset(self, seed: int) -> str:
         if self._env is None:
-            self._env = self._make()
+            self._env = self._make(self._ansi)
         self._obs, _ = self._env.reset(seed=seed)
         self._done = False
         return self.render()
@@ -189,6 +175,19 @@ class GymnasiumEnv(Env):
         changed = not _equal(before, self._obs)
         return self.render(), float(reward), self._done, {"success": bool(success), "action_is_valid": True,
                                                           "action_is_effective": changed}
+
+
+def _function(flag: str, path: str | None):
+    """The callable a class path names (None for None); one line naming the flag when it cannot be had."""
+    if path is None:
+        return None
+    try:
+        fn = import_class_path(path)
+    except Exception as err:
+        raise ValueError(f"`--data.env.init_args.{flag}`: cannot import {path!r}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"`--data.env.init_args.{flag}`: {path!r} is not callable")
+    return fn
 
 
 def _flatten(value: list) -> list:

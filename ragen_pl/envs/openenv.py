@@ -25,14 +25,18 @@ import contextlib
 import copy
 import functools
 import json
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
-from ragen_pl.envs.base import Env, StepResult, state_id
+from ragen_pl.envs.base import Env, StepResult, anchor_state
 
-__all__ = ["OpenEnvClient", "OpenEnvError", "build_app", "serve"]
+__all__ = ["OpenEnvClient", "OpenEnvError", "build_app", "serve", "served"]
 
 _NEEDS = "pip install 'ragen-pl[openenv]'"
 
@@ -86,13 +90,12 @@ def build_app(env: Env, max_sessions: int = 256):
             self._state = State(episode_id=None, step_count=0)
 
         def _observation(self, text: str, reward: float, done: bool, info: dict[str, Any]) -> Any:
-            key = self.env.state_key()
             return TextObservation(
                 text=text, reward=reward, done=done, instructions=self.env.instructions,
                 actions=list(self.env.actions) if self.env.actions is not None else None,
                 success=bool(info.get("success", False)), action_is_valid=bool(info.get("action_is_valid", True)),
                 action_is_effective=bool(info.get("action_is_effective", False)),
-                state_id=state_id(text if key is None else key))
+                state_id=anchor_state(self.env, text))
 
         def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Any:
             text = self.env.reset(0 if seed is None else int(seed))
@@ -127,6 +130,46 @@ def serve(env: Env, host: str = "127.0.0.1", port: int = 8000, max_sessions: int
     print(f"serving {env.tag} ({type(env).__name__}) as an OpenEnv server on ws://{host}:{port}/ws, up to "
           f"{max_sessions} sessions", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@contextlib.contextmanager
+def served(env: str, env_args: dict[str, Any] | None = None, max_sessions: int = 256,
+           wait_s: float = 90.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``ragen-pl serve`` in its own process on a free port of 127.0.0.1: yields ``(base_url, process)`` once the
+    server answers ``/health``, and stops it on leaving. Its output goes to a temporary file (a pipe nobody reads
+    fills up and stalls the server). A server that exits first, or does not answer within ``wait_s``, raises
+    RuntimeError with what it printed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", env, "--env-args",
+                                    json.dumps(env_args or {}), "--port", str(port), "--max-sessions",
+                                    str(max_sessions)], stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + wait_s
+            while not _healthy(url):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"`ragen-pl serve --env {env}` did not come up at {url} within {wait_s:.0f} s"
+                                       f" (exit code {process.poll()}): {log.read()[-2000:]}")
+                time.sleep(0.3)
+            yield url, process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+            process.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- playing
@@ -164,7 +207,8 @@ class OpenEnvClient(Env):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`--data.env.init_args.retries` must be an integer >= 0, got {retries!r}")
         self.base_url = base_url.rstrip("/")
-        self.url = self.base_url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws"
+        http = self.base_url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
+        self.url = http.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/ws"
         self.timeout_s, self.retries = float(timeout_s), retries
         self.action_field, self.observation_field = action_field, observation_field
         self._ws: Any = None
@@ -186,7 +230,7 @@ class OpenEnvClient(Env):
             f"You act in the environment served at {self.base_url}.")
         names = actions if actions is not None else observation.get("actions")
         self.actions = tuple(names) if names else None
-        super().__init__(tag or _server_name(self.base_url, self.timeout_s) or "OpenEnv")
+        super().__init__(tag or _server_name(http, self.timeout_s) or "OpenEnv")
 
     # ----------------------------------------------------------- the session
     def _open(self) -> None:
@@ -244,7 +288,8 @@ class OpenEnvClient(Env):
         return self._instructions
 
     def reset(self, seed: int) -> str:
-        return self.render() if self._reset(seed) else ""
+        self._reset(seed)
+        return self.render()
 
     def render(self) -> str:
         return str(self._last.get("observation", {}).get(self.observation_field, ""))
@@ -271,12 +316,12 @@ class OpenEnvClient(Env):
         return self.render(), reward, done, info
 
 
-def _server_name(base_url: str, timeout_s: float) -> str | None:
+def _server_name(http_url: str, timeout_s: float) -> str | None:
     """The env name the server reports on ``/metadata``, if it does."""
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{base_url.replace('ws://', 'http://', 1)}/metadata", timeout=timeout_s) as r:
+        with urllib.request.urlopen(f"{http_url}/metadata", timeout=timeout_s) as r:
             name = json.loads(r.read()).get("name")
     except Exception:  # noqa: BLE001 - the name is a nicety
         return None

@@ -20,7 +20,15 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from ragen_pl.envs.base import Env, StepResult, check_int, check_separator, grid_text
+from ragen_pl.envs.base import (
+    Env,
+    StepResult,
+    check_int,
+    check_observation_format,
+    check_separator,
+    formatted_observation,
+    grid_text,
+)
 
 WALL, FLOOR, TARGET = 0, 1, 2
 
@@ -92,9 +100,7 @@ class Sokoban(Env):
         self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
         self.symbols = _check_symbols(symbols)
         self.cell_separator = check_separator("cell_separator", cell_separator, self.symbols.values())
-        if observation_format not in ("grid", "coord", "grid_coord"):
-            raise ValueError(f"`observation_format` must be 'grid', 'coord' or 'grid_coord', got {observation_format!r}")
-        self.observation_format = observation_format
+        self.observation_format = check_observation_format(observation_format)
         self._deltas = tuple(dr * self.cols + dc for dr, dc in _DIRECTIONS)
         self.fixed: list[int] = [WALL] * (self.rows * self.cols)
         self.boxes: set[int] = set()
@@ -126,10 +132,7 @@ class Sokoban(Env):
         )
 
     def render(self) -> str:
-        if self.observation_format == "grid":
-            return self.grid()
-        coords = self.coordinates()
-        return coords if self.observation_format == "coord" else f"Coordinates: \n{coords}\nGrid Map: \n{self.grid()}"
+        return formatted_observation(self.observation_format, self.grid, self.coordinates)
 
     def coordinates(self) -> str:
         """The state as RAGEN-2 writes it in coordinates: board size, then targets, boxes off and on targets and the

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ragen_pl.config import RolloutConfig
-from ragen_pl.envs.base import Env, state_id
+from ragen_pl.envs.base import Env, anchor_state
 from ragen_pl.errors import ConfigError
 from ragen_pl.rollout.chat import ChatTokens, WindowChat
 from ragen_pl.rollout.engine import RolloutEngine, SamplingParams
@@ -235,8 +235,7 @@ class Collector:
         t0 = time.perf_counter()
         try:
             with _time_limit(c.step_timeout_s):
-                key = ep.env.state_key()
-                ep.states.append(state_id(ep.transcript[-1]["observation"] if key is None else key))
+                ep.states.append(anchor_state(ep.env, ep.transcript[-1]["observation"]))
                 for action in parsed.actions:
                     if ep.actions >= c.max_actions_per_episode:
                         break

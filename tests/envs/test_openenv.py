@@ -11,9 +11,7 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from ragen_pl import registry
 from ragen_pl.cli import main
 from ragen_pl.config import RolloutConfig
 from ragen_pl.envs.base import state_id
-from ragen_pl.envs.openenv import OpenEnvClient, OpenEnvError
+from ragen_pl.envs.openenv import OpenEnvClient, OpenEnvError, served
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.rollout.collector import Collector, EpisodeSpec
 from tests.rollout.test_collector import Scripted
@@ -36,35 +34,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(env: str, env_args: str = "{}", sessions: int = 64) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="ragen-pl-serve-", suffix=".log")  # a pipe nobody reads fills up
-    proc = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", env, "--env-args", env_args,
-                             "--port", str(port), "--max-sessions", str(sessions)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.log = log
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the server exited: {log.read()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the server did not come up in 90 s")
-
-
 @pytest.fixture(scope="module")
 def sokoban_server():
-    proc, url = start_server("sokoban")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with served("sokoban", max_sessions=64) as (url, _):
+        yield url
 
 
 def test_an_episode_through_the_server_is_the_episode_in_process(sokoban_server):
@@ -122,8 +95,7 @@ def test_two_iterations_train_through_the_client(sokoban_server, tiny_model_path
 
 
 def test_a_server_that_dies_mid_episode_fails_the_trajectory_with_its_url_and_seed():
-    proc, url = start_server("frozen_lake", '{"slippery": false}')
-    try:
+    with served("frozen_lake", {"slippery": False}, max_sessions=64) as (url, proc):
         client = copy.deepcopy(OpenEnvClient(url, timeout_s=5, retries=1))
         client.reset(42)
         assert client.step("Jump")[3]["action_is_valid"] is False  # not an action: the episode goes on
@@ -135,8 +107,6 @@ def test_a_server_that_dies_mid_episode_fails_the_trajectory_with_its_url_and_se
         with pytest.raises(OpenEnvError, match=r"\(episode seed 3\): reset failed after 2 tries"):
             client.reset(3)
         assert time.monotonic() - start < 15  # the timeouts, not a hang
-    finally:
-        proc.kill()
 
 
 def test_an_unreachable_server_and_bad_settings_are_one_line():
