@@ -11,7 +11,7 @@ Every recipe keeps the quickstart's settings (warm-started tiny model, learning 
 
 Each seed rebuilds the tiny model and its warm start with that seed (as benchmarks/learning_seeds.py does) and trains
 every recipe from it, one process per run on one core each, ``--jobs`` at a time. It prints the evaluation success
-(128 fixed episodes, temperature 0.5) at step 0 and at the end per run and the mean over seeds per recipe, draws
+(128 fixed episodes, temperature 0.5) at every evaluation per run and the mean over seeds per recipe, draws
 the mean curves (``credit_success.png``) and every run side by side with ``ragen-pl report``.
 
     python -m benchmarks.credit [--seeds 0 1 2] [--steps 30] [--jobs 2] [--out runs/credit] [--replot]
@@ -132,14 +132,16 @@ def main() -> None:
                 future.result()
     runs = {job: latest_run(out, *job) for job in jobs}
     curves = {recipe: {seed: evaluation(runs[recipe, seed]) for seed in args.seeds} for recipe in args.recipes}
-    print(f"\nFrozenLakeNoSlip evaluation success ({args.val_episodes} episodes, temperature 0.5), step 0 -> "
-          f"{args.steps}:")
+    print(f"\nFrozenLakeNoSlip evaluation success ({args.val_episodes} episodes, temperature 0.5) at each evaluation "
+          f"(every 10 iterations, {args.steps} in all):")
     for recipe, by_seed in curves.items():
-        cells = "  ".join(f"seed {s} {c[0][1]:.3f} -> {c[-1][1]:.3f}" for s, c in by_seed.items())
+        cells = "  ".join(f"seed {s} " + " / ".join(f"{v:.3f}" for _, v in c) for s, c in by_seed.items())
         ends = [c[-1][1] for c in by_seed.values()]
         gains = [c[-1][1] - c[0][1] for c in by_seed.values()]
+        steps = sorted({s for c in by_seed.values() for s, _ in c})
+        means = " / ".join(f"{statistics.mean(dict(c)[s] for c in by_seed.values() if s in dict(c)):.3f}" for s in steps)
         print(f"{recipe:>16}: {cells}  | mean end {statistics.mean(ends):.3f}, mean gain "
-              f"{statistics.mean(gains):+.3f}")
+              f"{statistics.mean(gains):+.3f}; mean at iterations {' / '.join(map(str, steps))}: {means}")
     plot_means(curves, out / "credit_success.png")
     subprocess.run([sys.executable, "-m", "ragen_pl.cli", "report", "--out", str(out / "report"),
                     *(str(runs[job]) for job in jobs)], check=True)
