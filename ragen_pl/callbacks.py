@@ -34,12 +34,15 @@ class WeightSync(Callback):
     The data module also does it before any rollout or evaluation whose engine holds other weights than the
     policy's (:meth:`~ragen_pl.data.RolloutDataModule.sync_engine`): a resumed run, a validation from a checkpoint.
     Engines that sample with the policy's own modules (the embedded ``hf`` engine) share the weights already, and
-    this callback does nothing for them.
+    this callback does nothing for them. Nor with ``--data.max_staleness``: the background rollouts' schedule hands
+    the weights over between two rollouts (:mod:`ragen_pl.rollout.ahead`).
     """
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        _datamodule(trainer).sync_engine(pl_module)
+        dm = _datamodule(trainer)
+        if getattr(dm, "ahead", None) is None:
+            dm.sync_engine(pl_module)
 
 
 class ValidateAtStart(Callback):

@@ -35,6 +35,7 @@ from ragen_pl.envs.base import Env
 from ragen_pl.errors import ConfigError, RolloutError
 from ragen_pl.filters import Filter, VarianceTopP
 from ragen_pl.metrics import rollout_metrics
+from ragen_pl.rollout.ahead import Played, RolloutsAhead
 from ragen_pl.rollout.collector import Collector, EpisodeSpec, RolloutResult, context_limit, model_context
 from ragen_pl.rollout.engine import RolloutEngine
 from ragen_pl.rollout.hf import HFEngine
@@ -89,6 +90,7 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: int = 0,
         val_seed: int = 1_000_000,
         max_failed_share: float = 0.5,
+        max_staleness: int = 0,
     ) -> None:
         """
         Args:
@@ -108,6 +110,11 @@ class RolloutDataModule(pl.LightningDataModule):
             max_failed_share: the largest share of a rollout's or an evaluation's episodes whose env may fail (raise,
                 time out, return garbage) before the run stops with one line (and, in training, a checkpoint of the
                 last completed iteration). Failed episodes are left out of the batch and counted either way.
+            max_staleness: how many updates old the weights that sample a training rollout may be. 0: on-policy,
+                rollout then update. K >= 1: the rollouts of the next K iterations are played on a background thread
+                while this one updates (:mod:`ragen_pl.rollout.ahead`), by an engine with its own copy of the weights
+                (``process``, ``vllm``), refreshed between rollouts. The update's log-probs are then a proximal
+                policy's and the engine's the behaviour policy's: set ``--model.ppo.tis_cap`` and / or ``mis_bound``.
         """
         super().__init__()
         for name, value in (("n_groups", n_groups), ("group_size", group_size), ("val_episodes", val_episodes),
@@ -115,6 +122,11 @@ class RolloutDataModule(pl.LightningDataModule):
             check_int(f"--data.{name}", value)
         check_number("--data.val_temperature", val_temperature, 0.0)
         check_number("--data.max_failed_share", max_failed_share, 0.0, 1.0)
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"`--data.max_staleness` must be an integer >= 0, got {max_staleness!r}")
+        if max_staleness and rollout_every_n_steps > 1:
+            raise ValueError(f"`--data.max_staleness={max_staleness}` plays rollouts ahead of the update; it cannot "
+                             f"also reuse them (`--data.rollout_every_n_steps={rollout_every_n_steps}`): set one")
         self.envs = list(env) if isinstance(env, (list, tuple)) else [env]
         if not self.envs:
             raise ValueError("`--data.env` must name at least one env")
@@ -137,6 +149,13 @@ class RolloutDataModule(pl.LightningDataModule):
         self.val_episodes, self.val_temperature = val_episodes, val_temperature
         self.rollout_every_n_steps = rollout_every_n_steps
         self.seed, self.val_seed = seed, val_seed
+        self.max_staleness = max_staleness
+        self.ahead: RolloutsAhead | None = None
+        """The background rollouts (``max_staleness`` >= 1), made in ``setup``."""
+        self._staleness_max = 0
+        self._taken: Played | None = None
+        self._restored: list[dict[str, Any]] = []
+        """Rollouts played ahead that a checkpoint kept, to train first on resume."""
         self.iteration = 0
         """Rollouts played so far (the env seed counter); checkpointed."""
         self.empty_filters = 0
@@ -181,10 +200,44 @@ class RolloutDataModule(pl.LightningDataModule):
         self._bind(module)
         self.collector = Collector(self.engine, module.tokenizer, self.rollout_config,
                                    max_seq_len=context_limit(self.rollout_config, model_context(module.policy)))
+        if self.max_staleness and stage == "fit":
+            self._check_async(module)
+
+    def _check_async(self, module) -> None:
+        k = f"`--data.max_staleness={self.max_staleness}`"
+        if not self.engine.holds_weights:
+            raise ConfigError(f"{k} samples while the policy updates, so the engine needs its own copy of the "
+                              f"weights; {type(self.engine).__name__} samples with the policy's own: use "
+                              f"--data.engine=process (or vllm)")
+        ppo = getattr(module, "ppo", None)
+        if ppo is not None and ppo.tis_cap is None and ppo.mis_bound is None:
+            raise ConfigError(f"{k} trains on rollouts of older weights: set --model.ppo.tis_cap (e.g. 2.0) and / or "
+                              f"--model.ppo.mis_bound to weigh them by proximal / behaviour policy (the decoupled "
+                              f"objective; without it the update ignores how stale they are)")
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Stop the background rollouts and an engine that runs in its own process."""
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
+        if stage == "fit":
+            self.engine.close()
 
     # ---------------------------------------------------------------------------------------- training
     def next_rollout(self) -> RolloutBatch:
-        """This iteration's batch: a fresh rollout every ``rollout_every_n_steps`` calls, else the last one."""
+        """This iteration's batch: a fresh rollout every ``rollout_every_n_steps`` calls, else the last one; with
+        ``max_staleness`` the oldest rollout played ahead (a checkpoint's first, on resume)."""
+        if self.max_staleness and self.ahead is None:
+            self.ahead = RolloutsAhead(lambda i: self.play(i, sync=False), lambda: self.sync_engine(self._sync_binding()),
+                                       self.engine, self.max_staleness, self.iteration)
+        if self.ahead is not None:
+            self._sync_binding()
+            step = self.trainer.global_step
+            played = Played.from_state(self._restored.pop(0)) if self._restored else self.ahead.take(step)
+            self.ahead.refill(step)
+            self._taken = played
+            return self.finish_rollout(played, step)
         if self._last is not None and self._steps_since_rollout < self.rollout_every_n_steps:
             self._steps_since_rollout += 1
             return self._last
@@ -204,7 +257,15 @@ class RolloutDataModule(pl.LightningDataModule):
     def rewind_unfinished_rollout(self, global_step: int) -> bool:
         """Undo a rollout whose training step did not complete (a stop signal or an error mid-iteration): the seed
         counter and the sampling state go back to before it, so that a checkpoint saved now resumes with that very
-        rollout. Whether there was one to undo."""
+        rollout (with ``max_staleness``, the rollout itself goes back to the front of the ones played ahead). Whether
+        there was one to undo."""
+        if self.ahead is not None:
+            taken, self._taken = self._taken, None
+            if taken is None or taken.step != global_step:
+                return False
+            self._restored.insert(0, taken.state())
+            self.empty_filters = taken.empty_filters_before
+            return True
         unfinished, self._unfinished = self._unfinished, None
         if unfinished is None or unfinished[0] != global_step:
             return False
@@ -214,24 +275,50 @@ class RolloutDataModule(pl.LightningDataModule):
         self._last, self._steps_since_rollout = None, 0
         return True
 
-    def play_training_rollout(self) -> RolloutBatch:
+    def training_specs(self, iteration: int) -> list[EpisodeSpec]:
+        """This rank's episodes of training iteration ``iteration``: its share of the groups, ``group_size`` each."""
         rank, world = self.world
         local = self.n_groups // world
-        first_group = self.iteration * self.n_groups + rank * local
-        specs = [EpisodeSpec(self.envs[g % len(self.envs)], seed=self.seed + g, group_id=g)
-                 for g in range(first_group, first_group + local) for _ in range(self.group_size)]
-        result = self._collect(specs)
-        self.iteration += 1
+        first_group = iteration * self.n_groups + rank * local
+        return [EpisodeSpec(self.envs[g % len(self.envs)], seed=self.seed + g, group_id=g)
+                for g in range(first_group, first_group + local) for _ in range(self.group_size)]
+
+    def play(self, iteration: int, sync: bool = True) -> Played:
+        """Play training iteration ``iteration`` on this rank (no collective: a background thread may run it)."""
+        result = self._collect(self.training_specs(iteration), sync=sync)
         metrics = rollout_metrics(result.episodes, by_tag=self.by_tag)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
-        where = f"training iteration {self.iteration - 1}"
-        failed, played = self._check_failures(result, f"trajectory of {where}", where)
-        metrics["rollout/failed"], metrics["rollout/played"] = torch.tensor(failed), torch.tensor(played)
-        batch = result.batch
+        failures = [(ep.env.tag, ep.spec.seed, str(ep.failed)) for ep in result.episodes if ep.failed is not None]
+        return Played(iteration, result.batch, metrics, failures, len(result.episodes), result)
+
+    def play_training_rollout(self) -> RolloutBatch:
+        played = self.play(self.iteration)
+        self.iteration += 1
+        return self.finish_rollout(played)
+
+    def finish_rollout(self, played: Played, step: int | None = None) -> RolloutBatch:
+        """Count the failures over the ranks, filter and pad ``played`` (collectives: every rank, the trainer's
+        thread)."""
+        metrics = dict(played.metrics)
+        where = f"training iteration {played.iteration}"
+        failed, played_n = self._check_failures(played.failures, played.played, f"trajectory of {where}", where)
+        metrics["rollout/failed"], metrics["rollout/played"] = torch.tensor(failed), torch.tensor(played_n)
+        batch = played.batch
         if batch is None:  # every episode of this rank failed, not of all (else _check_failures said so)
-            raise RolloutError(f"every trajectory of training iteration {self.iteration - 1} failed on rank "
-                               f"{self.world[0]}; {_failures(result)}")
+            raise RolloutError(f"every trajectory of training iteration {played.iteration} failed on rank "
+                               f"{self.world[0]}; {_failures(played.failures)}")
+        if played.version is not None and step is not None:
+            behind = step - played.version
+            if behind > self.max_staleness:  # RolloutsAhead guarantees it; a bug if not
+                raise RuntimeError(f"training iteration {played.iteration} was sampled {behind} updates ago, more "
+                                   f"than --data.max_staleness={self.max_staleness}")
+            batch.policy_versions = torch.full((len(batch),), played.version, dtype=torch.long)
+            self._staleness_max = max(self._staleness_max, behind)
+            metrics["async/staleness"] = torch.tensor(float(behind))
+            metrics["async/staleness_max"] = torch.tensor(float(self._staleness_max))
+            metrics["async/rollout_wait_s"] = torch.tensor(played.waited)
+        played.empty_filters_before, played.step = self.empty_filters, step
         t0 = time.perf_counter()
         keep, filter_metrics = self._filter(batch)
         metrics.update(filter_metrics)
@@ -246,22 +333,31 @@ class RolloutDataModule(pl.LightningDataModule):
             rank_zero_warn(f"the filter kept no group in {self.empty_filters} iterations in a row "
                            f"(`--data.filter.empty_stop_steps` {stop}): stopping training")
             self.trainer.should_stop = True
-        return RolloutBatch(batch, metrics, result, empty=kept == 0)
+        return RolloutBatch(batch, metrics, played.result or _result_of(played), empty=kept == 0)
 
-    def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
-        """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode)."""
+    def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None, sync: bool = True
+                 ) -> RolloutResult:
+        """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode). ``sync``:
+        first bind the policy again if the strategy replaced it and hand the engine the current weights (the
+        trainer's thread; a background rollout gets its weights from :class:`RolloutsAhead`)."""
         assert self.collector is not None, "setup() binds the engine first"
-        module = self.trainer.lightning_module if getattr(self, "trainer", None) is not None else None
-        if module is not None and self._bound is not module.policy:
-            # The strategy replaced the policy after `setup` (FSDP1 wraps it in `configure_model`).
-            self._bind(module)
-        if module is not None:
-            self.sync_engine(module)
+        if sync:
+            module = self._sync_binding()
+            if module is not None:
+                self.sync_engine(module)
         self.engine.wake_up()
         try:
             return self.collector.collect(specs, temperature=temperature)
         finally:
             self.engine.sleep()
+
+    def _sync_binding(self):
+        """The module, after binding the engine again if the strategy replaced the policy after ``setup`` (FSDP1
+        wraps it in ``configure_model``)."""
+        module = self.trainer.lightning_module if getattr(self, "trainer", None) is not None else None
+        if module is not None and self._bound is not module.policy:
+            self._bind(module)
+        return module
 
     def _bind(self, module) -> None:
         self.engine.bind(module.policy, module.tokenizer)
@@ -281,7 +377,14 @@ class RolloutDataModule(pl.LightningDataModule):
         version = module.weights_version
         if version == self._engine_weights:
             return
-        self.engine.load_weights(module.policy_state_dict())
+        if getattr(self.engine, "takes_adapters", False):  # the LoRA adapters alone (a server's sync=lora)
+            if module.lora is None or getattr(module, "hooks", None):
+                raise ConfigError("`--data.engine.sync=lora` sends the LoRA adapters alone: it needs --model.lora "
+                                  "and no --model.hooks (their changes live outside the adapters)")
+            self.engine.load_adapter(module.policy)
+        else:
+            with module.policy_weights() as weights:  # one tensor at a time, to an engine that streams them
+                self.engine.load_weights(weights if getattr(self.engine, "streams_weights", False) else dict(weights))
         self._engine_weights = version
 
     def _filter(self, batch: TrajectoryBatch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -337,8 +440,15 @@ class RolloutDataModule(pl.LightningDataModule):
     def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
-        result = self._collect(specs, temperature=self.val_temperature)
-        failed, played = self._check_failures(result, f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
+        if self.ahead is not None:  # the engine between two background rollouts, with the current weights
+            with self.ahead.engine_idle():
+                result = self._collect(specs, temperature=self.val_temperature)
+                self.ahead.engine_step = self.trainer.global_step
+        else:
+            result = self._collect(specs, temperature=self.val_temperature)
+        failures = [(ep.env.tag, ep.spec.seed, str(ep.failed)) for ep in result.episodes if ep.failed is not None]
+        failed, played = self._check_failures(failures, len(result.episodes), f"{prefix} episode of env {env.tag!r}",
+                                              f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         references = self.reference_success(env)
         for name, value in references.items():
@@ -362,26 +472,26 @@ class RolloutDataModule(pl.LightningDataModule):
             self._references[key] = reference_success(env, seeds, budget)
         return self._references[key]
 
-    def _check_failures(self, result: RolloutResult, what: str, where: str) -> tuple[float, float]:
-        """Count the failed episodes of ``result`` over every process (every rank plays its share at the same point);
-        warn once per env with its first error; stop the run in one line (:class:`RolloutError`) when every ``what``
-        failed or more than ``max_failed_share`` of them did (in ``where``). Returns (failed, played) over every
-        process."""
-        mine = [ep for ep in result.episodes if ep.failed is not None]
+    def _check_failures(self, failures: list[tuple[str, int, str]], played: int, what: str, where: str
+                        ) -> tuple[float, float]:
+        """Count the failed episodes (``failures``: env tag, seed and reason of each, of ``played`` episodes) over
+        every process (every rank plays its share at the same point); warn once per env with its first error; stop
+        the run in one line (:class:`RolloutError`) when every ``what`` failed or more than ``max_failed_share`` of
+        them did (in ``where``). Returns (failed, played) over every process."""
         trainer = getattr(self, "trainer", None)
         device = trainer.strategy.root_device if trainer is not None else "cpu"
-        counts = sum_over_processes(torch.tensor([float(len(mine)), float(len(result.episodes))], device=device))
+        counts = sum_over_processes(torch.tensor([float(len(failures)), float(played)], device=device))
         failed, played = float(counts[0]), float(counts[1])
-        for ep in mine:
-            if ep.env.tag not in self._warned_failures:
-                self._warned_failures.add(ep.env.tag)
-                rank_zero_warn(f"env {ep.env.tag!r}: episodes fail (left out of the batch and counted as "
-                               f"`failed_envs`); the first: seed {ep.spec.seed}: {ep.failed}")
+        for tag, seed, reason in failures:
+            if tag not in self._warned_failures:
+                self._warned_failures.add(tag)
+                rank_zero_warn(f"env {tag!r}: episodes fail (left out of the batch and counted as "
+                               f"`failed_envs`); the first: seed {seed}: {reason}")
         if played and failed == played:
-            raise RolloutError(f"every {what} failed; {_failures(result)}")
+            raise RolloutError(f"every {what} failed; {_failures(failures)}")
         if played and failed / played > self.max_failed_share:
             raise RolloutError(f"{int(failed)} of {int(played)} episodes failed ({where}), more "
-                               f"than --data.max_failed_share={self.max_failed_share:g}; {_failures(result)}")
+                               f"than --data.max_failed_share={self.max_failed_share:g}; {_failures(failures)}")
         return failed, played
 
     def _eval_loaders(self, prefix: str) -> list[DataLoader]:
@@ -402,7 +512,13 @@ class RolloutDataModule(pl.LightningDataModule):
         """The env seed counter and the engine's sampling state: every rank's (each samples its own stream), gathered
         from all ranks. Lightning calls this on every rank when it saves and writes rank 0's copy."""
         state: dict[str, Any] = {"iteration": self.iteration}
-        by_rank = gather_objects(self.engine.state_dict())
+        engine = self.engine.state_dict() if self.ahead is None else None
+        if self.ahead is not None:  # the rollouts played ahead, and the stream after them
+            ahead = self.ahead.state()
+            state.update(iteration=ahead["iteration"], ahead=self._restored + ahead["ahead"],
+                         max_staleness=self.max_staleness)
+            engine = ahead["engine"]
+        by_rank = gather_objects(engine)
         state["engine"] = by_rank[0]  # where checkpoints of one process kept it before
         state["engine_by_rank"] = by_rank
         return state
@@ -410,6 +526,12 @@ class RolloutDataModule(pl.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.iteration = state_dict["iteration"]
+        ahead = state_dict.get("ahead") or []
+        if len(ahead) > self.max_staleness:
+            raise ConfigError(f"the checkpoint holds {len(ahead)} rollout(s) played ahead "
+                              f"(--data.max_staleness={state_dict.get('max_staleness')}); resume with "
+                              f"--data.max_staleness >= {len(ahead)} (it trains on them first), got {self.max_staleness}")
+        self._restored = list(ahead)
         if "engine" in state_dict:
             rank, world = self.world
             by_rank = state_dict.get("engine_by_rank", [state_dict["engine"]])
@@ -423,10 +545,15 @@ class RolloutDataModule(pl.LightningDataModule):
         self._steps_since_rollout = 0
 
 
-def _failures(result: RolloutResult, shown: int = 3) -> str:
+def _result_of(played: Played) -> RolloutResult:
+    """A rollout restored from a checkpoint: its batch, without the episodes (their envs are not kept)."""
+    return RolloutResult(played.batch, [], {})
+
+
+def _failures(failures: list[tuple[str, int, str]], shown: int = 3) -> str:
     """The distinct reasons episodes failed, most common first (each names the env's own error)."""
     from collections import Counter
 
-    counts = Counter(f"{ep.env.tag}: {ep.failed}" for ep in result.episodes if ep.failed is not None)
+    counts = Counter(f"{tag}: {reason}" for tag, _, reason in failures)
     reasons = "; ".join(f"{reason} (x{n})" for reason, n in counts.most_common(shown))
     return f"the envs said: {reasons}" if reasons else "no episode was played"

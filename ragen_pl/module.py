@@ -39,7 +39,7 @@ from ragen_pl.dist import is_sharded, mean_over_ranks
 from ragen_pl.errors import ConfigError
 from ragen_pl.hooks import ModelHook, hooks_from_hparams
 from ragen_pl.losses import PolicyLoss
-from ragen_pl.policy import Models, load_models, policy_state_dict, shard
+from ragen_pl.policy import Models, load_models, policy_state_dict, policy_weights, shard
 from ragen_pl.registry import class_path, import_class_path
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.signals import allow_stop, defer_stop
@@ -175,6 +175,10 @@ class RagenModule(pl.LightningModule):
     def policy_state_dict(self) -> dict[str, Tensor]:
         """Full policy weights under transformers' names (LoRA merged), for engines that keep their own copy."""
         return policy_state_dict(self.policy, lora=self.lora is not None, hooks=self.hooks)
+
+    def policy_weights(self):
+        """:func:`ragen_pl.policy.policy_weights` of the policy: its weights one tensor at a time, within a block."""
+        return policy_weights(self.policy, lora=self.lora is not None, hooks=self.hooks)
 
     @override
     def configure_model(self) -> None:

@@ -153,15 +153,23 @@ def policy_state_dict(policy: nn.Module, lora: bool, hooks: Sequence[ModelHook] 
     With LoRA the adapters are merged into a copy of the weights (merge, copy, unmerge), so the engine samples from
     exactly the trained policy; each hook's :meth:`~ragen_pl.hooks.ModelHook.merging` context holds around the merge.
     """
+    with policy_weights(policy, lora, hooks) as weights:
+        return {k: v.clone() if lora else v for k, v in weights}
+
+
+@contextmanager
+def policy_weights(policy: nn.Module, lora: bool, hooks: Sequence[ModelHook] = ()) -> Iterator[Iterator[tuple[str, Tensor]]]:
+    """Within: the full policy weights under transformers' names, one (name, tensor) at a time, for an engine that
+    copies each where it keeps its own (no copy of the whole state dict; a sharded tensor is gathered when reached).
+    With LoRA the adapters stay merged until the block ends."""
     if not lora:
-        return {k: full_tensor(v) for k, v in policy.state_dict().items()}
+        yield ((k, full_tensor(v)) for k, v in policy.state_dict().items())
+        return
     with merging(policy, hooks):
         policy.merge_adapter()
         try:
-            return {
-                k.replace("base_model.model.", "", 1).replace(".base_layer", ""): full_tensor(v.detach()).clone()
-                for k, v in policy.state_dict().items() if "lora_" not in k
-            }
+            yield ((k.replace("base_model.model.", "", 1).replace(".base_layer", ""), full_tensor(v.detach()))
+                   for k, v in policy.state_dict().items() if "lora_" not in k)
         finally:
             policy.unmerge_adapter()
 

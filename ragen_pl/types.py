@@ -38,6 +38,10 @@ class TrajectoryStats:
         return self.scores.shape[0]
 
 
+ROW_FIELDS = ("group_ids", "traj_ids", "policy_versions")
+"""The (B,) tensor fields of :class:`TrajectoryBatch`: one value per row; its other tensors are (B, T)."""
+
+
 @dataclass
 class TrajectoryBatch:
     """B multi-turn trajectories padded (on the right) to T tokens.
@@ -66,6 +70,8 @@ class TrajectoryBatch:
         turn_states: (B, T) long or None. On each sampled token, the id of the env state its turn started in
             (:func:`ragen_pl.envs.base.state_id` of the env's ``state_key()``, else of the observation text): GiGPO's
             anchor states. None where the batch did not come from a rollout.
+        policy_versions: (B,) long or None. The training step whose weights sampled each row (rollouts played
+            ahead, ``--data.max_staleness``); None when the current weights did (the synchronous loop).
         temperature: the sampling temperature of the rollout; the update scores log-probs at it.
         loss_scale: what the advantages are multiplied by once computed (a filter's kept share: RAGEN-2's loss
             scaling); 1 leaves them as they are.
@@ -87,6 +93,7 @@ class TrajectoryBatch:
     rollout_logprobs: Tensor | None = None
     sampling_masks: Tensor | None = None
     turn_states: Tensor | None = None
+    policy_versions: Tensor | None = None
     temperature: float = 1.0
     loss_scale: float = 1.0
 
@@ -94,7 +101,7 @@ class TrajectoryBatch:
         B, T = self.input_ids.shape
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("group_ids", "traj_ids"):
+            if f.name in ROW_FIELDS:
                 if value is not None and value.shape != (B,):
                     raise ValueError(f"`{f.name}` must have shape ({B},), got {tuple(value.shape)}")
             elif f.name == "env_tags":

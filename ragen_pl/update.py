@@ -28,7 +28,7 @@ from ragen_pl.ops import last_true, masked_mean
 from ragen_pl.policy import Models, clip_grad_norm
 from ragen_pl.rewards import RewardNorm
 from ragen_pl.scoring import Scores, score
-from ragen_pl.types import TrajectoryBatch
+from ragen_pl.types import ROW_FIELDS, TrajectoryBatch
 
 __all__ = ["DEFAULT_ADVANTAGE", "DEFAULT_POLICY_LOSS", "MicroLoss", "StarPOUpdate", "entropy_metrics",
            "explained_variance", "micro_batches", "mis_rejected", "mismatch_metrics", "off_policy_correction", "trimmed"]
@@ -401,7 +401,7 @@ def trimmed(part: TrajectoryBatch) -> TrajectoryBatch:
     if part.input_ids.shape[1] == T:
         return part
     per_token = {f.name: x[:, :T] for f in fields(part)
-                 if isinstance(x := getattr(part, f.name), Tensor) and f.name not in ("group_ids", "traj_ids")}
+                 if isinstance(x := getattr(part, f.name), Tensor) and f.name not in ROW_FIELDS}
     return replace(part, **per_token)
 
 

@@ -97,7 +97,7 @@ def batch_of(steps, rng: random.Random) -> TrajectoryBatch:
     for s in steps:
         episodes[s["episode"]].append(s)
     rows = []
-    for e, its in episodes.items():
+    for its in episodes.values():
         mask, rewards, turns, states = [False], [0.0], [-1], [0]
         for k, s in enumerate(its):
             n_env, n = rng.randint(1, 2), rng.randint(1, 3)

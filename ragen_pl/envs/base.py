@@ -90,7 +90,7 @@ class Env(ABC):
         whose observation shows the whole state (a counter the text leaves out would split nothing it should)."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the episode holds (a connection, a process); the collector calls it once the trajectory
         ends. Default: nothing."""
 

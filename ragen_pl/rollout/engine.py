@@ -105,6 +105,9 @@ class RolloutEngine(ABC):
     def wake_up(self) -> None:  # noqa: B027 - optional hook
         """Reclaim what :meth:`sleep` freed."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free what the engine started (a worker process); called when a fit ends. It may be bound again."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps so a resumed run samples the same (default: nothing)."""
         return {}

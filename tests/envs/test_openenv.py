@@ -75,7 +75,7 @@ def test_a_rollout_holds_one_session_per_trajectory_and_closes_them(sokoban_serv
     # The same anchor groups (the ids differ: the client keys a state by the id the server sent).
     on = local.batch.loss_mask
     pairs = set(zip(remote.batch.turn_states[on].tolist(), local.batch.turn_states[on].tolist()))
-    assert len(pairs) == len({r for r, _ in pairs}) == len({l for _, l in pairs}) > 1
+    assert len(pairs) == len({r for r, _ in pairs}) == len({line for _, line in pairs}) > 1
     assert all(e.env._ws is None for e in remote.episodes)  # every session ended with its trajectory
 
 

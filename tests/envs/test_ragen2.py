@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-import gymnasium  # a dev dependency: RAGEN-2's FrozenLake is Gymnasium's
+import gymnasium  # noqa: F401 - a dev dependency: RAGEN-2's FrozenLake is Gymnasium's
 import numpy as np
 import pytest
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv

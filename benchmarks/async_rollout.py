@@ -1,0 +1,105 @@
+"""Iterations per hour with rollouts played ahead (``--data.max_staleness=1``) against the synchronous loop (0).
+
+Same config, same machine, one run after the other, side by side in one table:
+
+* ``K=0, hf``: today's loop, the embedded engine sampling with the policy itself, all ``--threads`` on each phase;
+* ``K=1, process``: the rollout engine in its own process with ``--rollout-threads`` of the cores, the trainer with
+  the rest, rollout t + 1 played while update t runs.
+
+Each run trains ``--steps`` iterations; the table averages ``time/iteration`` (rollout wait, filter, scoring, update:
+an iteration's wall time, evaluations and checkpoints left out) over all but the first (warm-up), and prints the
+generation and update seconds of the synchronous run, whose balance bounds the gain (at best the sum over the larger).
+
+    python benchmarks/async_rollout.py [--model ragen-pl/smollm2-135m-warm-frozenlake] [--steps 6] [--threads 2]
+        [--rollout-threads 1] [ragen-pl fit flags]
+
+Default: SmolLM2-135M (its FrozenLake warm start) on FrozenLake in that warm start's layout, GRPO, 8 groups x 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+CONFIG = """
+seed_everything: 0
+trainer: {accelerator: cpu, devices: 1, logger: {class_path: lightning.pytorch.loggers.CSVLogger,
+          init_args: {name: async, flush_logs_every_n_steps: 1}}}
+model:
+  advantage: {class_path: ragen_pl.advantages.GRPO}
+  ppo: {mini_batch_size: 64, micro_batch_size: 16, clip_low: 0.2, clip_high: 0.28, tis_cap: 2.0}
+  optim: {actor_lr: 1.0e-5}
+data:
+  env: {class_path: ragen_pl.envs.frozen_lake.FrozenLake, init_args: {cell_separator: " "}}
+  n_groups: 8
+  group_size: 4
+  filter: {class_path: ragen_pl.filters.NoFilter}
+  rollout: {max_turns: 10, max_actions_per_turn: 1, max_actions_per_episode: 10, max_new_tokens: 8, think: false,
+            context_window: 1}
+  val_episodes: 8
+"""
+
+
+def run(model: str, steps: int, threads: int, extra: list[str], save_dir: Path) -> list[dict[str, str]]:
+    from ragen_pl.cli import main as cli
+
+    config = save_dir / "config.yaml"
+    save_dir.mkdir(parents=True)
+    config.write_text(CONFIG)
+    code = cli(["fit", "--config", str(config), f"--model.model={model}", f"--trainer.max_steps={steps}",
+                f"--trainer.val_check_interval={10 * steps}", f"--torch_threads={threads}",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+                f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
+    if code:
+        raise SystemExit(f"the run {' '.join(extra)} failed ({code})")
+    with open(next(save_dir.rglob("metrics.csv"))) as f:
+        return [r for r in csv.DictReader(f) if r.get("time/iteration")]
+
+
+def mean(rows: list[dict[str, str]], key: str) -> float:
+    return statistics.fmean(float(r[key]) for r in rows[1:] if r.get(key))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="ragen-pl/smollm2-135m-warm-frozenlake")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2, help="cores of the machine the runs may use")
+    parser.add_argument("--rollout-threads", type=int, default=1, help="of them, the rollout process's (K=1)")
+    args, extra = parser.parse_known_args()
+    if not 0 < args.rollout_threads < args.threads:
+        raise SystemExit(f"--rollout-threads must be in [1, --threads - 1], got {args.rollout_threads}")
+    trainer_threads = args.threads - args.rollout_threads
+    layouts = [("K=0, hf", args.threads, []),
+               ("K=1, process", trainer_threads, ["--data.max_staleness=1", "--data.engine=process",
+                                                  f"--data.engine.init_args.threads={args.rollout_threads}"])]
+    print(f"{args.model}, {args.steps} iterations each (the first not counted); cores: K=0 all {args.threads} on each "
+          f"phase; K=1 trainer {trainer_threads} + rollout process {args.rollout_threads}")
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, threads, flags) in enumerate(layouts):
+            rows = run(args.model, args.steps, threads, [*flags, *extra], Path(tmp) / str(i))
+            table.append((name, rows))
+    base = mean(table[0][1], "time/iteration")
+    print(f"\n{'layout':<16}{'s / iteration':>15}{'iterations / h':>16}{'vs K=0':>8}{'generate s':>12}"
+          f"{'update s':>10}{'waited s':>10}{'staleness':>10}")
+    for name, rows in table:
+        it = mean(rows, "time/iteration")
+        waited = mean(rows, "async/rollout_wait_s") if rows[-1].get("async/rollout_wait_s") else float("nan")
+        stale = mean(rows, "async/staleness") if rows[-1].get("async/staleness") else 0.0
+        print(f"{name:<16}{it:>15.1f}{3600 / it:>16.0f}{base / it:>7.2f}x{mean(rows, 'time/rollout_generate'):>12.1f}"
+              f"{mean(rows, 'time/update'):>10.1f}{waited:>10.1f}{stale:>10.2f}")
+    gen, upd = mean(table[0][1], "time/rollout_generate"), mean(table[0][1], "time/update")
+    print(f"\nK=0's generation {gen:.1f} s and update {upd:.1f} s bound K=1 at {(gen + upd) / max(gen, upd):.2f}x "
+          f"with the same per-phase speed; each phase here runs on fewer cores")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
