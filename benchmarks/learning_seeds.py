@@ -9,6 +9,10 @@ the last 3). ``tests/test_quickstart.py`` takes its margins from this table.
     python benchmarks/learning_seeds.py [--seeds 0 1 2 3 4] [--steps 20] [--val-episodes 64]
         [--config configs/variants/grpo.yaml] [--keep DIR] [ragen-pl fit flags, e.g. --model.ppo.entropy_coeff=0.001]
 
+``--beside "FLAGS"`` also trains every seed with FLAGS added and prints both, e.g. ``--beside "--config
+configs/variants/async.yaml --torch_threads=1"`` (rollouts one update ahead, the trainer and the rollout process on one
+core each) beside the synchronous quickstart.
+
 ``--config`` adds a config on top of the quickstart (e.g. the GRPO variant); ``--keep DIR`` copies each run's
 metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs), and
 ``--from-kept DIR`` prints the table of such runs again without training.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import shlex
 import shutil
 import tempfile
 import time
@@ -75,30 +80,43 @@ def main() -> None:
     parser.add_argument("--val-episodes", type=int, default=64)
     parser.add_argument("--config", action="append", default=[], help="extra config on top of the quickstart")
     parser.add_argument("--keep", type=Path, default=None, help="copy each run's metrics.csv here")
+    parser.add_argument("--beside", default=None, metavar="FLAGS",
+                        help="also train every seed with these fit flags added, and print both")
     parser.add_argument("--from-kept", type=Path, default=None, metavar="DIR",
                         help="print the table of the runs --keep DIR kept (seeds --seeds) instead of training")
     args, flags = parser.parse_known_args()  # anything else goes to `ragen-pl fit`, after the configs
     extra = [*(a for c in args.config for a in ("--config", c)), *flags]
-    table = {}
+    layouts = {"": extra}
+    if args.beside is not None:
+        if args.from_kept is not None:
+            raise SystemExit("error: --beside trains; it cannot be read back with --from-kept")
+        layouts[args.beside] = [*extra, *shlex.split(args.beside)]
+    tables: dict[str, dict] = {name: {} for name in layouts}
     for seed in args.seeds:
-        start = time.perf_counter()
-        if args.from_kept is None:
-            table[seed] = run(seed, args.steps, args.val_episodes, extra, args.keep)
-        elif (args.from_kept / f"seed{seed}.csv").exists():
-            table[seed] = eval_success(args.from_kept / f"seed{seed}.csv")
-        else:
-            raise SystemExit(f"error: --from-kept {args.from_kept}: no seed{seed}.csv there (give the --seeds it kept)")
-        cells = "  ".join(f"{env} {a:.3f} -> {b:.3f} (training {t:+.3f})" for env, (a, b, t) in table[seed].items())
-        took = f"  ({time.perf_counter() - start:.0f}s with the warm start)" if args.from_kept is None else ""
-        print(f"seed {seed}: {cells}{took}", flush=True)
-    for env in next(iter(table.values())):
-        starts = [table[s][env][0] for s in table]
-        ends = [table[s][env][1] for s in table]
-        gains = [table[s][env][1] - table[s][env][0] for s in table]
-        rises = [table[s][env][2] for s in table]
-        print(f"{env}: step 0 {min(starts):.3f}-{max(starts):.3f}; step {args.steps} {min(ends):.3f}-{max(ends):.3f}; "
-              f"gain {min(gains):+.3f} to {max(gains):+.3f}; training success (first iteration to the mean of the "
-              f"last 3) {min(rises):+.3f} to {max(rises):+.3f} over {len(table)} seeds")
+        for name, flags_of in layouts.items():
+            table, start = tables[name], time.perf_counter()
+            if args.from_kept is None:
+                table[seed] = run(seed, args.steps, args.val_episodes, flags_of, args.keep if not name else None)
+            elif (args.from_kept / f"seed{seed}.csv").exists():
+                table[seed] = eval_success(args.from_kept / f"seed{seed}.csv")
+            else:
+                raise SystemExit(f"error: --from-kept {args.from_kept}: no seed{seed}.csv there (give the --seeds it "
+                                 f"kept)")
+            cells = "  ".join(f"{env} {a:.3f} -> {b:.3f} (training {t:+.3f})" for env, (a, b, t) in table[seed].items())
+            took = f"  ({time.perf_counter() - start:.0f}s with the warm start)" if args.from_kept is None else ""
+            print(f"seed {seed}{f' [{name}]' if name else ''}: {cells}{took}", flush=True)
+    for name, table in tables.items():
+        if name:
+            print(f"with {name}:")
+        for env in next(iter(table.values())):
+            starts = [table[s][env][0] for s in table]
+            ends = [table[s][env][1] for s in table]
+            gains = [table[s][env][1] - table[s][env][0] for s in table]
+            rises = [table[s][env][2] for s in table]
+            print(f"{env}: step 0 {min(starts):.3f}-{max(starts):.3f}; step {args.steps} {min(ends):.3f}-{max(ends):.3f}; "
+                  f"mean {sum(ends) / len(ends):.3f}; gain {min(gains):+.3f} to {max(gains):+.3f}; training success "
+                  f"(first iteration to the mean of the last 3) {min(rises):+.3f} to {max(rises):+.3f} over {len(table)} "
+                  f"seeds")
 
 
 if __name__ == "__main__":

@@ -151,8 +151,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.seed, self.val_seed = seed, val_seed
         self.max_staleness = max_staleness
         self.ahead: RolloutsAhead | None = None
-        """The background rollouts (``max_staleness`` >= 1), made in ``setup``."""
+        """The background rollouts (``max_staleness`` >= 1), started by the first training rollout."""
         self._staleness_max = 0
+        self._stopping = False
         self._taken: Played | None = None
         self._restored: list[dict[str, Any]] = []
         """Rollouts played ahead that a checkpoint kept, to train first on resume."""
@@ -198,8 +199,14 @@ class RolloutDataModule(pl.LightningDataModule):
         if getattr(advantage, "needs_groups", False) and self.group_size < 2:
             raise ConfigError(f"`--data.group_size` must be >= 2 for {type(advantage).__name__}, got {self.group_size}")
         self._bind(module)
-        self.collector = Collector(self.engine, module.tokenizer, self.rollout_config,
-                                   max_seq_len=context_limit(self.rollout_config, model_context(module.policy)))
+        limit = context_limit(self.rollout_config, model_context(module.policy))
+        served = getattr(self.engine, "max_model_len", None)  # a server's own context (vllm_server)
+        if served is not None and limit > served:
+            if self.rollout_config.max_seq_len is not None:
+                raise ConfigError(f"`--data.rollout.max_seq_len` ({limit}) must be <= the rollout server's context "
+                                  f"({served} positions, its --max-model-len)")
+            limit = served
+        self.collector = Collector(self.engine, module.tokenizer, self.rollout_config, max_seq_len=limit)
         if self.max_staleness and stage == "fit":
             self._check_async(module)
 
@@ -236,6 +243,7 @@ class RolloutDataModule(pl.LightningDataModule):
             step = self.trainer.global_step
             played = Played.from_state(self._restored.pop(0)) if self._restored else self.ahead.take(step)
             self.ahead.refill(step)
+            self.iteration = self.ahead.next_iteration  # (queued: played or playing)
             self._taken = played
             return self.finish_rollout(played, step)
         if self._last is not None and self._steps_since_rollout < self.rollout_every_n_steps:
@@ -260,6 +268,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout (with ``max_staleness``, the rollout itself goes back to the front of the ones played ahead). Whether
         there was one to undo."""
         if self.ahead is not None:
+            self._stopping = True  # the checkpoint saved now does not wait for the rollouts in flight
             taken, self._taken = self._taken, None
             if taken is None or taken.step != global_step:
                 return False
@@ -514,7 +523,7 @@ class RolloutDataModule(pl.LightningDataModule):
         state: dict[str, Any] = {"iteration": self.iteration}
         engine = self.engine.state_dict() if self.ahead is None else None
         if self.ahead is not None:  # the rollouts played ahead, and the stream after them
-            ahead = self.ahead.state()
+            ahead = self.ahead.state(wait=not self._stopping)
             state.update(iteration=ahead["iteration"], ahead=self._restored + ahead["ahead"],
                          max_staleness=self.max_staleness)
             engine = ahead["engine"]
@@ -527,10 +536,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.iteration = state_dict["iteration"]
         ahead = state_dict.get("ahead") or []
-        if len(ahead) > self.max_staleness:
-            raise ConfigError(f"the checkpoint holds {len(ahead)} rollout(s) played ahead "
-                              f"(--data.max_staleness={state_dict.get('max_staleness')}); resume with "
-                              f"--data.max_staleness >= {len(ahead)} (it trains on them first), got {self.max_staleness}")
+        saved = state_dict.get("max_staleness", 0)
+        if ahead and self.max_staleness < saved:  # (a stopped step's rollout is kept too: up to K + 1 of them)
+            raise ConfigError(f"the checkpoint holds {len(ahead)} rollout(s) played up to {saved} updates ahead "
+                              f"(--data.max_staleness={saved}); resume with --data.max_staleness >= {saved} (it "
+                              f"trains on them first), got {self.max_staleness}")
         self._restored = list(ahead)
         if "engine" in state_dict:
             rank, world = self.world

@@ -60,3 +60,19 @@ def test_the_credit_benchmark_changes_only_the_advantage(recipe, advantage, tiny
     assert config["seed_everything"] == 3 and config["data"]["seed"] == 3000
     if recipe == "ppo_bilevel_gae":
         assert config["model"]["advantage"]["init_args"]["segments"] == "turn_ids"
+
+
+@pytest.mark.slow
+def test_the_async_benchmark_runs_both_layouts_on_the_same_config(tiny_model_path, monkeypatch, capsys):
+    """benchmarks/async_rollout.py: K=0 with the embedded engine, then K=1 with a rollout process, one table."""
+    from benchmarks import async_rollout
+
+    monkeypatch.setattr(sys, "argv", ["async_rollout.py", "--model", str(tiny_model_path), "--steps", "3",
+                                      "--trainer.precision=32-true"])
+    assert async_rollout.main() == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines() if line.startswith(("K=0, ", "K=1, "))}
+    assert set(rows) == {"K=0, hf", "K=1, process"}
+    assert rows["K=0, hf"][-1] == "0.00" and rows["K=1, process"][-1] == "1.00"  # staleness: the last column
+    assert "overlapping them gains at most" in out
+    assert "trainer 1 + rollout process 1" in out

@@ -39,7 +39,7 @@ def test_config_runs_one_step(config, tiny_model_path, tmp_path, monkeypatch):
 
 # Strategy variants run in tests/test_distributed.py (fsdp2, 2 CPU processes) and on GPUs (fsdp, marker gpu);
 # lora needs peft. Here: every variant parses on top of every env config, and the others run one step.
-RUNNABLE = [v for v in VARIANTS if v.stem in ("grpo", "starpo", "gigpo")]
+RUNNABLE = [v for v in VARIANTS if v.stem in ("grpo", "starpo", "gigpo", "async")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda p: p.stem)

@@ -170,29 +170,37 @@ class RolloutsAhead:
             job.done.wait()
         return list(self._jobs)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, wait: bool = True) -> dict[str, Any]:
         """What a checkpoint keeps: the rollouts played ahead (in order) and where the sampling stream stands.
 
-        A rollout that failed is not kept: the stream goes back to before it, and everything queued after it is
-        played again on resume."""
+        ``wait``: first let the rollouts in flight finish (a periodic checkpoint: the resumed run continues exactly).
+        Without it (a run that stops now) the first unfinished rollout and everything after it are left out, and the
+        stream goes back to before it: the resumed run plays them again, with the weights it resumes with. A rollout
+        that failed is left out the same way."""
         if self._failed is not None:  # (the engine may be gone with it: a dead rollout process)
             return {"ahead": [], "iteration": self._failed.iteration, "engine": self._failed.engine_state}
-        kept, iteration, engine = [], self.next_iteration, None
-        for job in self.drain():
-            if job.error is not None:
-                iteration, engine = job.iteration, job.engine_state
-                break
-            kept.append(job.played.state())
-        if engine is None:
-            with self._engine:
-                engine = copy.deepcopy(self.engine.state_dict())
-        return {"ahead": kept, "iteration": iteration, "engine": engine}
+        jobs = self.drain() if wait else list(self._jobs)
+        kept = []
+        for job in jobs:
+            if job.done.is_set() and job.error is None:
+                kept.append(job.played.state())
+                continue
+            # Unfinished or failed: the stream goes back to before it.
+            if job.engine_state is None:  # not started: before it is where the engine stands
+                with self._engine:
+                    engine = job.engine_state or copy.deepcopy(self.engine.state_dict())
+            else:
+                engine = job.engine_state
+            return {"ahead": kept, "iteration": job.iteration, "engine": engine}
+        with self._engine:
+            engine = copy.deepcopy(self.engine.state_dict())
+        return {"ahead": kept, "iteration": self.next_iteration, "engine": engine}
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=5)  # a rollout under way ends on its own (a daemon thread)
 
     # ---------------------------------------------------------------------------- the background thread
     def _run(self) -> None:

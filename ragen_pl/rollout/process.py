@@ -247,7 +247,7 @@ def _worker(conn, spec: dict[str, Any]) -> None:
             torch.set_num_threads(spec["threads"])
         dtype = getattr(torch, spec["dtype"])
         with torch.device(spec["device"]):
-            model = AutoModelForCausalLM.from_config(spec["config"], torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(spec["config"], dtype=dtype)
         model.eval().requires_grad_(False)
         if model.device.type == "cpu":
             model.share_memory()

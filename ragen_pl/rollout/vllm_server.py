@@ -82,6 +82,7 @@ class VLLMServerEngine(RolloutEngine):
         self.adapter: str | None = None
         """The LoRA adapter requests name (``sync='lora'``), once one is loaded."""
         self.max_model_len: int | None = None
+        """The server's context (its ``--max-model-len``), read at bind: the collector never feeds a longer prompt."""
         self._tmp = None
         self._run = "0"
 
@@ -133,12 +134,6 @@ class VLLMServerEngine(RolloutEngine):
         if self.sync == "lora" and not hasattr(model, "peft_config"):
             raise ConfigError("`--data.engine.sync=lora` sends the LoRA adapters alone, but the policy has none "
                               "(set --model.lora, or use sync=full)")
-
-    def check_context(self, tokens: int) -> None:
-        """Refuse a rollout that needs more positions than the server's context."""
-        if self.max_model_len is not None and tokens > self.max_model_len:
-            raise ConfigError(f"the rollout needs {tokens} positions, the vLLM server's context is "
-                              f"{self.max_model_len} (its --max-model-len)")
 
     def close(self) -> None:
         if self._tmp is not None:

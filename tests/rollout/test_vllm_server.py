@@ -37,8 +37,12 @@ def server(smollm2, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with served(smollm2, "--dtype", "float32", "--max-model-len", "1024", "--max-lora-rank", "8",
-                log=str(log)) as (url, _):
+                log=str(log)) as (url, process):
+        server_process.append(process)
         yield url
+
+
+server_process: list = []
 
 
 def _model(path):
@@ -142,3 +146,23 @@ def test_a_fit_with_rollouts_one_update_ahead_trains_through_the_server(server, 
     assert [float(r["async/staleness"]) for r in rows] == [0.0, 1.0]
     # The server's log-probs are the trainer's for the weights that sampled: step 0 is on-policy.
     assert float(rows[0]["mismatch/logprob_abs_diff_mean"]) < 1e-2
+
+
+def test_a_server_that_dies_stops_sampling_with_one_line_after_its_retries(server, smollm2):
+    """Last in this file: it kills the server. A request to a dead server is retried (1 s, 2 s), then fails in one
+    line naming the URL, within seconds."""
+    import os
+    import signal
+    import time
+
+    from ragen_pl.rollout.vllm_server import VLLMServerEngine
+
+    model, tok = _model(smollm2)
+    engine = VLLMServerEngine(server, retries=2)
+    engine.bind(model, tok)
+    os.killpg(server_process[0].pid, signal.SIGKILL)
+    server_process[0].wait()
+    t0 = time.perf_counter()
+    with pytest.raises(RolloutError, match=rf"vLLM server {server} unreachable for /v1/completions after 3 tries"):
+        engine.generate([tok("Go left")["input_ids"]], SamplingParams(max_new_tokens=4, stop=[]))
+    assert time.perf_counter() - t0 < 15
