@@ -293,7 +293,7 @@ def test_every_group_is_played_whole_on_one_rank(monkeypatch):
         monkeypatch.setattr(RolloutDataModule, "world", property(lambda self, r=rank: (r, 2)))
         dm = RolloutDataModule(FrozenLake(), n_groups=4, group_size=3)
 
-        def collect(specs, rank=rank):
+        def collect(specs, rank=rank, **_):
             for spec in specs:
                 seen.setdefault(spec.group_id, []).append(rank)
             raise Played
