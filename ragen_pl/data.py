@@ -298,8 +298,7 @@ class RolloutDataModule(pl.LightningDataModule):
         metrics = rollout_metrics(result.episodes, by_tag=self.by_tag)
         for k, v in result.timings.items():
             metrics[f"time/rollout_{k}"] = torch.tensor(v)
-        failures = [(ep.env.tag, ep.spec.seed, str(ep.failed)) for ep in result.episodes if ep.failed is not None]
-        return Played(iteration, result.batch, metrics, failures, len(result.episodes), result)
+        return Played(iteration, result.batch, metrics, _failed(result), len(result.episodes), result)
 
     def play_training_rollout(self) -> RolloutBatch:
         played = self.play(self.iteration)
@@ -455,9 +454,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.ahead.engine_step = self.trainer.global_step
         else:
             result = self._collect(specs, temperature=self.val_temperature)
-        failures = [(ep.env.tag, ep.spec.seed, str(ep.failed)) for ep in result.episodes if ep.failed is not None]
-        failed, played = self._check_failures(failures, len(result.episodes), f"{prefix} episode of env {env.tag!r}",
-                                              f"env {env.tag!r}")
+        failed, played = self._check_failures(_failed(result), len(result.episodes),
+                                              f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
         references = self.reference_success(env)
         for name, value in references.items():
@@ -558,6 +556,11 @@ class RolloutDataModule(pl.LightningDataModule):
 def _result_of(played: Played) -> RolloutResult:
     """A rollout restored from a checkpoint: its batch, without the episodes (their envs are not kept)."""
     return RolloutResult(played.batch, [], {})
+
+
+def _failed(result: RolloutResult) -> list[tuple[str, int, str]]:
+    """(env tag, seed, reason) of each failed episode of ``result``."""
+    return [(ep.env.tag, ep.spec.seed, str(ep.failed)) for ep in result.episodes if ep.failed is not None]
 
 
 def _failures(failures: list[tuple[str, int, str]], shown: int = 3) -> str:

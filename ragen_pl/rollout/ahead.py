@@ -159,8 +159,7 @@ class RolloutsAhead:
     def engine_idle(self) -> Iterator[None]:
         """Within: no rollout samples (the queued ones wait). Waits for every queued rollout to finish first, so
         that what runs within (a weight write, an evaluation) never reorders the sampling stream."""
-        for job in list(self._jobs):
-            job.done.wait()
+        self.drain()
         with self._engine:
             yield
 
@@ -185,16 +184,14 @@ class RolloutsAhead:
             if job.done.is_set() and job.error is None:
                 kept.append(job.played.state())
                 continue
-            # Unfinished or failed: the stream goes back to before it.
-            if job.engine_state is None:  # not started: before it is where the engine stands
-                with self._engine:
-                    engine = job.engine_state or copy.deepcopy(self.engine.state_dict())
-            else:
-                engine = job.engine_state
-            return {"ahead": kept, "iteration": job.iteration, "engine": engine}
+            # Unfinished or failed: the stream goes back to before it (not started: to where the engine stands).
+            return {"ahead": kept, "iteration": job.iteration, "engine": job.engine_state or self._engine_state(job)}
+        return {"ahead": kept, "iteration": self.next_iteration, "engine": self._engine_state()}
+
+    def _engine_state(self, job: _Job | None = None) -> dict:
+        """The engine's sampling state between two rollouts (before ``job``, had it started while this waited)."""
         with self._engine:
-            engine = copy.deepcopy(self.engine.state_dict())
-        return {"ahead": kept, "iteration": self.next_iteration, "engine": engine}
+            return (job.engine_state if job is not None else None) or copy.deepcopy(self.engine.state_dict())
 
     def close(self) -> None:
         with self._cond:
