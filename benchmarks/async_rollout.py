@@ -2,16 +2,19 @@
 
 Same config, same machine, one run after the other, side by side in one table:
 
-* ``K=0, hf``: today's loop, the embedded engine sampling with the policy itself, all ``--threads`` on each phase;
+* ``K=0, hf``: today's loop, the embedded engine sampling with the policy itself, all ``--threads`` on each phase
+  (colocated: each phase has every core);
+* ``K=0, process``: the synchronous loop with the cores split as at K=1 (the rollout process's, the trainer's): the
+  baseline of a layout whose trainer and rollout have their own devices, each idle while the other works;
 * ``K=1, process``: the rollout engine in its own process with ``--rollout-threads`` of the cores, the trainer with
-  the rest, rollout t + 1 played while update t runs.
+  the rest (or ``--trainer-threads``), rollout t + 1 played while update t runs.
 
 Each run trains ``--steps`` iterations; the table averages ``time/iteration`` (rollout wait, filter, scoring, update:
 an iteration's wall time, evaluations and checkpoints left out) over all but the first (warm-up), and prints the
 generation and update seconds of the synchronous run, whose balance bounds the gain (at best the sum over the larger).
 
     python benchmarks/async_rollout.py [--model ragen-pl/smollm2-135m-warm-frozenlake] [--steps 6] [--threads 2]
-        [--rollout-threads 1] [--trainer-threads N] [ragen-pl fit flags]
+        [--rollout-threads 1] [--trainer-threads N] [--no-split-baseline] [ragen-pl fit flags]
 
 Default: SmolLM2-135M (its FrozenLake warm start) on FrozenLake in that warm start's layout, GRPO, 8 groups x 4.
 """
@@ -74,15 +77,17 @@ def main() -> int:
     parser.add_argument("--rollout-threads", type=int, default=1, help="of them, the rollout process's (K=1)")
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="the trainer's at K=1 (default: the rest; more oversubscribes the cores)")
+    parser.add_argument("--no-split-baseline", action="store_true", help="leave out the K=0 run with the split cores")
     args, extra = parser.parse_known_args()
     if not 0 < args.rollout_threads < args.threads:
         raise SystemExit(f"--rollout-threads must be in [1, --threads - 1], got {args.rollout_threads}")
     trainer_threads = args.trainer_threads or args.threads - args.rollout_threads
+    process = ["--data.engine=process", f"--data.engine.init_args.threads={args.rollout_threads}"]
     layouts = [("K=0, hf", args.threads, []),
-               ("K=1, process", trainer_threads, ["--data.max_staleness=1", "--data.engine=process",
-                                                  f"--data.engine.init_args.threads={args.rollout_threads}"])]
-    print(f"{args.model}, {args.steps} iterations each (the first not counted); cores: K=0 all {args.threads} on each "
-          f"phase; K=1 trainer {trainer_threads} + rollout process {args.rollout_threads}")
+               *([] if args.no_split_baseline else [("K=0, process", trainer_threads, process)]),
+               ("K=1, process", trainer_threads, ["--data.max_staleness=1", *process])]
+    print(f"{args.model}, {args.steps} iterations each (the first not counted); cores: K=0 hf all {args.threads} on "
+          f"each phase; process engine: trainer {trainer_threads} + rollout process {args.rollout_threads}")
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, threads, flags) in enumerate(layouts):
@@ -102,6 +107,9 @@ def main() -> int:
     print(f"\nK=0: generation {gen:.1f} s, the trainer's scoring and update {train:.1f} s: overlapping them gains at most "
           f"{(gen + train) / max(gen, train):.2f}x at the same per-phase speed; at K=1 each side runs on its share of the "
           f"cores")
+    if not args.no_split_baseline:
+        split, k1 = (mean(rows, "time/iteration") for _, rows in table[1:])
+        print(f"K=1 against K=0 with the same split of cores: {split / k1:.2f}x; against K=0 colocated: {base / k1:.2f}x")
     return 0
 
 

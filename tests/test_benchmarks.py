@@ -64,7 +64,7 @@ def test_the_credit_benchmark_changes_only_the_advantage(recipe, advantage, tiny
 
 @pytest.mark.slow
 def test_the_async_benchmark_runs_both_layouts_on_the_same_config(tiny_model_path, monkeypatch, capsys):
-    """benchmarks/async_rollout.py: K=0 with the embedded engine, then K=1 with a rollout process, one table."""
+    """benchmarks/async_rollout.py: K=0 with the embedded engine, K=0 and K=1 with a rollout process, one table."""
     from benchmarks import async_rollout
 
     monkeypatch.setattr(sys, "argv", ["async_rollout.py", "--model", str(tiny_model_path), "--steps", "3",
@@ -72,7 +72,7 @@ def test_the_async_benchmark_runs_both_layouts_on_the_same_config(tiny_model_pat
     assert async_rollout.main() == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line.split() for line in out.splitlines() if line.startswith(("K=0, ", "K=1, "))}
-    assert set(rows) == {"K=0, hf", "K=1, process"}
-    assert rows["K=0, hf"][-1] == "0.00" and rows["K=1, process"][-1] == "1.00"  # staleness: the last column
-    assert "overlapping them gains at most" in out
+    assert set(rows) == {"K=0, hf", "K=0, process", "K=1, process"}
+    assert rows["K=0, hf"][-1] == rows["K=0, process"][-1] == "0.00" and rows["K=1, process"][-1] == "1.00"  # staleness
+    assert "overlapping them gains at most" in out and "K=1 against K=0 with the same split of cores: " in out
     assert "trainer 1 + rollout process 1" in out

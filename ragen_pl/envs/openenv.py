@@ -25,10 +25,8 @@ import contextlib
 import copy
 import functools
 import json
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Hashable, Iterator, Sequence
@@ -136,40 +134,16 @@ def serve(env: Env, host: str = "127.0.0.1", port: int = 8000, max_sessions: int
 def served(env: str, env_args: dict[str, Any] | None = None, max_sessions: int = 256,
            wait_s: float = 90.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``ragen-pl serve`` in its own process on a free port of 127.0.0.1: yields ``(base_url, process)`` once the
-    server answers ``/health``, and stops it on leaving. Its output goes to a temporary file (a pipe nobody reads
-    fills up and stalls the server). A server that exits first, or does not answer within ``wait_s``, raises
-    RuntimeError with what it printed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen([sys.executable, "-m", "ragen_pl.cli", "serve", "--env", env, "--env-args",
-                                    json.dumps(env_args or {}), "--port", str(port), "--max-sessions",
-                                    str(max_sessions)], stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + wait_s
-            while not _healthy(url):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"`ragen-pl serve --env {env}` did not come up at {url} within {wait_s:.0f} s"
-                                       f" (exit code {process.poll()}): {log.read()[-2000:]}")
-                time.sleep(0.3)
-            yield url, process
-        finally:
-            if process.poll() is None:
-                process.terminate()
-            process.wait(timeout=30)
+    server answers ``/health``, and stops it on leaving. A server that exits first, or does not answer within
+    ``wait_s``, raises RuntimeError with what it printed."""
+    from ragen_pl.servers import local_server
 
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "ragen_pl.cli", "serve", "--env", env, "--env-args", json.dumps(env_args or {}),
+                "--port", str(port), "--max-sessions", str(max_sessions)]
 
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    with local_server(command, "/health", f"`ragen-pl serve --env {env}`", wait_s=wait_s) as served:
+        yield served
 
 
 # ---------------------------------------------------------------------------------------------- playing

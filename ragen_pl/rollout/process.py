@@ -72,6 +72,7 @@ class ProcessEngine(RolloutEngine):
         self.process: mp.process.BaseProcess | None = None
         self._conn = None
         self._weights: dict[str, Tensor] | None = None
+        self._aliases: dict[str, str] = {}  # a tied weight's other names -> the name the worker shares it under
         self._autocast: str | None = None  # the trainer's autocast dtype, seen where it hands over weights
         self._pending: dict | None = None  # a sampling state loaded before the worker started
         self._lock = threading.Lock()  # one request at a time on the pipe
@@ -108,7 +109,7 @@ class ProcessEngine(RolloutEngine):
         _LIVE.add(self)
         theirs.close()
         self._conn = ours
-        self._weights = self._wait("start", self.start_timeout_s)
+        self._weights, self._aliases = self._wait("start", self.start_timeout_s)
         pending, self._pending = self._pending, None
         if pending:
             self._call("load_state_dict", pending)
@@ -171,18 +172,24 @@ class ProcessEngine(RolloutEngine):
         self._autocast = (str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
                           if torch.is_autocast_enabled(device.type) else None)
         items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-        seen = set()
+        written: set[str] = set()
         with self._lock, torch.no_grad():  # never while the worker samples: requests hold the lock
             for name, value in items:
-                target = self._weights.get(name)
+                shared = self._aliases.get(name, name)
+                target = self._weights.get(shared)
                 if target is None:
-                    continue  # tied weights appear once in the worker's copy
+                    continue
                 if target.shape != value.shape:
                     raise RolloutError(f"weight {name!r}: the policy has shape {tuple(value.shape)}, the rollout "
                                        f"process {tuple(target.shape)}")
+                if shared in written:  # the worker ties this name to one written already: the policy must too
+                    if not torch.equal(target, value.to(target.device, target.dtype)):
+                        raise RolloutError(f"the rollout process ties weight {name!r} to {shared!r}, but the "
+                                           f"policy's differ; it would sample with another model")
+                    continue
                 target.copy_(value)
-                seen.add(name)
-        missing = sorted(set(self._weights) - seen)
+                written.add(shared)
+        missing = sorted(set(self._weights) - written)
         if missing:
             raise RolloutError(f"the policy's weights lack {len(missing)} of the rollout process's tensors (first: "
                                f"{missing[0]!r}); it would sample with stale ones")
@@ -255,15 +262,17 @@ def _worker(conn, spec: dict[str, Any]) -> None:
         if hasattr(engine, "seed"):  # each trainer process samples its own stream, as in-process engines do
             engine.seed = engine.seed + spec["rank"]
         engine.bind(model, spec["tokenizer"])
-        shared = dict(model.state_dict())  # tied weights: one tensor under the first name ...
-        seen: dict[int, str] = {}
+        shared = dict(model.state_dict())  # tied weights: one tensor under the first name, the others its aliases
+        first: dict[int, str] = {}
+        aliases: dict[str, str] = {}
         for name in list(shared):
             ptr = shared[name].data_ptr()
-            if ptr in seen:
+            if ptr in first:
+                aliases[name] = first[ptr]
                 del shared[name]
             else:
-                seen[ptr] = name
-        conn.send(("ok", shared))
+                first[ptr] = name
+        conn.send(("ok", (shared, aliases)))
     except BaseException as err:  # noqa: BLE001 - the trainer shows it in one line
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return

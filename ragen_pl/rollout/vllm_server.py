@@ -261,39 +261,10 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "
 def served(model: str, *extra: str, start_timeout_s: float = 600.0, log: str | None = None) -> Iterator[tuple[str, Any]]:
     """Start a vLLM server of ``model`` on a free port of 127.0.0.1 for the block (tests, benchmarks, one-machine
     runs); yields its URL and process. Stops it, and its engine process, when the block ends."""
-    import signal
-    import socket
-    import subprocess
+    from ragen_pl.servers import local_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
     env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    process = subprocess.Popen(server_command(model, "127.0.0.1", port, *extra), env=env, stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RolloutError(f"the vLLM server of {model} exited with code {process.returncode} while starting"
-                                   f"{f' (its log: {log})' if log else ''}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except (urllib.error.URLError, OSError):
-                if time.monotonic() > deadline:
-                    raise RolloutError(f"the vLLM server of {model} did not answer within {start_timeout_s:g}s") from None
-                time.sleep(1.0)
-        yield url, process
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        if out is not subprocess.DEVNULL:
-            out.close()
+    with local_server(lambda port: server_command(model, "127.0.0.1", port, *extra), "/v1/models",
+                      f"the vLLM server of {model}", env=env, wait_s=start_timeout_s, log=log,
+                      error=RolloutError) as served:
+        yield served

@@ -156,7 +156,11 @@ def test_the_process_engine_samples_what_the_policy_samples_after_every_weight_w
             for g, w in zip(got, want):
                 assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5)
         with pytest.raises(Exception, match="lack 1 of the rollout process's tensors"):
-            process.load_weights({k: v for i, (k, v) in enumerate(model.state_dict().items()) if i})
+            process.load_weights({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"})
+        with torch.no_grad():  # the policy's head untied and moved, while the worker's copy ties it to the embedding
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight + 0.01)
+        with pytest.raises(Exception, match="ties weight 'lm_head.weight' to 'model.embed_tokens.weight', but the"):
+            process.load_weights(model.state_dict())
     finally:
         process.close()
 
