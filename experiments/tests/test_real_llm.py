@@ -77,3 +77,24 @@ def test_real_llm_refuses_state_only_where_it_means_nothing(args, message, tmp_p
     out = subprocess.run([sys.executable, "-m", f"{RESEARCH}.real_llm", *args], capture_output=True,
                          text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2 and f"real_llm.py: error: {message}" in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+@pytest.mark.slow
+def test_real_llm_on_a_ragen2_main_table_env_prints_its_goal_beside_the_optimal_policy(tiny_model_path, tmp_path):
+    """``--env coordsokoban``: issue 59's goal (random + 0.10) and the optimal policy's success, read from the run."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"{RESEARCH}.real_llm", "--env", "coordsokoban", "--minutes", "0.02",
+         "--max-steps", "1", "--random-repeats", "2", "--final-episodes", "4", "--out", str(tmp_path / "runs"),
+         f"--model.model={tiny_model_path}", "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4",
+         "--data.rollout.max_new_tokens=6", "--torch_threads=1",
+         "--model.hooks=[{class_path: readout_head, init_args: {center: 4, whiten: true, tokens: [Up, Right]}}]"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = re.search(r"^\s+0\s+[0-9.]+\s+([0-9.]+)\s+[0-9]+\s+[0-9.]+\s+([-+][0-9.]+) vs random \(>= \+0\.10\), "
+                    r"optimal ([0-9.]+)$", out.stdout, re.MULTILINE)
+    assert row, out.stdout
+    baseline = float(re.search(r"random policy on the 4 evaluation seeds of the final evaluation \(2 plays each, "
+                               r"10 actions\): success ([0-9.]+)", out.stdout).group(1))
+    final, gain, optimal = map(float, row.groups())
+    assert abs(final - baseline - gain) < 2e-3
+    assert max(final, baseline) <= optimal <= 1.0  # deterministic rooms: what any play solves, the solver solves

@@ -48,3 +48,22 @@ def test_a_named_warm_start_resolves_through_its_entry_point_and_names_its_layou
     header = RolloutConfig(**{**taught.__dict__, "turn_header": True})
     assert "--data.rollout.turn_header=True (taught: False)" in warm_layout_mismatch(
         f"{SMOLLM2}-warm-frozenlake-stateonly", header)
+
+
+@pytest.mark.parametrize("key", ["coordfrozenlake", "coordsokoban"])
+def test_a_coord_warm_start_teaches_its_configs_env_and_layout(key):
+    """The warm start of a RAGEN-2 main-table config plays that config's env with its very arguments, in its rollout
+    layout, and the config trains from it; the env is configs/ragen2/'s (same size, format and dynamics)."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = yaml.safe_load((root / "experiments" / "configs" / f"smollm2-{key}.yaml").read_text())
+    recipe = RECIPES[key]
+    assert cfg["model"]["model"] == f"{SMOLLM2}-warm-{key}"
+    assert cfg["data"]["env"]["class_path"] == recipe.env and cfg["data"]["env"]["init_args"] == recipe.env_args
+    assert cfg["data"]["rollout"] == recipe.rollout and recipe.play == "random"
+    ragen2 = yaml.safe_load((root / "configs" / "ragen2" / f"{key.removeprefix('coord')}.yaml").read_text())
+    assert ragen2["data"]["env"]["class_path"] == recipe.env
+    assert {k: v for k, v in recipe.env_args.items() if k != "cell_separator"} == ragen2["data"]["env"]["init_args"]

@@ -137,7 +137,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def close(self) -> None:
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp.cleanup()
             self._tmp = None
 
     # ------------------------------------------------------------------------------------------ weights
@@ -145,8 +145,9 @@ class VLLMServerEngine(RolloutEngine):
         if self.weights_dir is None and self._tmp is None:
             import tempfile
 
-            self._tmp = tempfile.mkdtemp(prefix="ragen-pl-weights-")
-        root = Path(self.weights_dir or self._tmp)
+            # (removed by close(), and at exit by its finalizer where a run never closes the engine)
+            self._tmp = tempfile.TemporaryDirectory(prefix="ragen-pl-weights-", ignore_cleanup_errors=True)
+        root = Path(self.weights_dir or self._tmp.name)
         out = root / name
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)

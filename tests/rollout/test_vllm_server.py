@@ -98,6 +98,7 @@ def test_lora_adapters_alone_reach_the_server_and_the_previous_version_is_unload
     full = VLLMServerEngine(server)  # the base weights, as the server started (an earlier test changed them)
     full.bind(base, tok)
     full.load_weights(iter(base.state_dict().items()))
+    full.close()
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     engine = VLLMServerEngine(server, sync="lora")
     engine.bind(model, tok)
@@ -130,7 +131,14 @@ def test_a_server_with_another_tokenizer_or_none_is_refused_in_one_line(server, 
 
 
 def test_a_fit_with_rollouts_one_update_ahead_trains_through_the_server(server, smollm2, tmp_path):
+    import tempfile
+
     from ragen_pl.cli import main
+
+    def weight_folders():
+        return set(Path(tempfile.gettempdir()).glob("ragen-pl-weights-*"))
+
+    before = weight_folders()
 
     code = main(["fit", "--config", str(ROOT / "configs" / "bandit.yaml"), f"--model.model={smollm2}",
                  "--trainer.max_steps=2", "--trainer.accelerator=cpu", "--trainer.precision=32-true",
@@ -144,6 +152,7 @@ def test_a_fit_with_rollouts_one_update_ahead_trains_through_the_server(server, 
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss/policy")]
     assert [float(r["async/staleness"]) for r in rows] == [0.0, 1.0]
+    assert weight_folders() == before  # the shards sent to the server are gone with the run
     # The server's log-probs are the trainer's for the weights that sampled: step 0 is on-policy.
     assert float(rows[0]["mismatch/logprob_abs_diff_mean"]) < 1e-2
 

@@ -13,7 +13,10 @@ import yaml
 
 EXPERIMENTS = Path(__file__).resolve().parents[2]
 """The experiments folder of a ragen-pl checkout (the package is installed from it: ``pip install -e experiments``)."""
-ENVS = {"bandit": "Bandit", "frozenlake": "FrozenLake", "sokoban": "Sokoban"}
+ENVS = {"bandit": "Bandit", "frozenlake": "FrozenLake", "sokoban": "Sokoban",
+        "coordfrozenlake": "CoordFrozenLake", "coordsokoban": "CoordSokoban"}
+#: Issue 59's goals on RAGEN-2's main-table envs: the final evaluation at least the random policy's success plus this.
+COORD_GOALS = {"coordfrozenlake": 0.15, "coordsokoban": 0.10}
 
 
 def config_path(env: str) -> Path:
