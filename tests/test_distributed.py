@@ -214,11 +214,9 @@ def test_ranks_pad_to_the_same_size_with_inert_rows(monkeypatch):
 
 def _two_workers(script: str, model_path, tmp_path) -> list[dict]:
     """Run ``tests/<script>`` as ranks 0 and 1 of a gloo group (one thread each) and return what each wrote."""
-    import socket
+    from ragen_pl.servers import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / script), str(rank), "2", str(port),
                                str(model_path), str(tmp_path / f"rank{rank}.json")],

@@ -44,11 +44,9 @@ def test_two_cpu_processes_train_the_head_alone(value_head, tiny_model_path, tmp
 
 def _two_workers(script: str, model_path, tmp_path) -> list[dict]:
     """Run ``experiments/tests/<script>`` as ranks 0 and 1 of a gloo group (one thread each); what each wrote."""
-    import socket
+    from ragen_pl.servers import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # the core tests' worker helpers
     procs = [subprocess.Popen([sys.executable, str(HERE / script), str(rank), "2", str(port), str(model_path),
                                str(tmp_path / f"rank{rank}.json")], cwd=ROOT, env=env, stderr=subprocess.PIPE,

@@ -8,7 +8,6 @@ import copy
 import csv
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ from ragen_pl.envs.base import state_id
 from ragen_pl.envs.openenv import OpenEnvClient, OpenEnvError, served
 from ragen_pl.envs.sokoban import Sokoban
 from ragen_pl.rollout.collector import Collector, EpisodeSpec
+from ragen_pl.servers import free_port
 from tests.rollout.test_collector import Scripted
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
