@@ -277,7 +277,8 @@ class RolloutConfig:
     """Tokens a prompt and its answer may fill (null: the model's context, ``max_position_embeddings``). A turn whose
     prompt would not leave ``max_new_tokens`` under it is not played: the trajectory ends, truncated."""
     step_timeout_s: float = 5.0
-    """An env step or reset that runs longer fails its trajectory (enforced in the main thread on Unix)."""
+    """An env step or reset that runs longer fails its trajectory (a SIGALRM on the main thread; off it, the rollout
+    stops waiting for the call and abandons its env)."""
     system_prompt: str = SYSTEM_PROMPT
     """The system message of every trajectory."""
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import queue
 import signal
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +59,8 @@ class EnvFailure(RuntimeError):
 
 
 @contextmanager
-def _time_limit(seconds: float):
-    """Raise EnvFailure if the block runs longer than ``seconds`` (main thread on Unix; else no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
+def _alarm(seconds: float):
+    """Raise EnvFailure if the block runs longer than ``seconds`` (a SIGALRM: the main thread only)."""
 
     def handler(signum, frame):
         raise EnvFailure(f"env call ran past {seconds}s")
@@ -76,6 +74,37 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+class _EnvThread:
+    """A daemon thread that makes env calls for a rollout running off the main thread, where no SIGALRM can cut one
+    (the background rollout of ``--data.max_staleness`` >= 1). The caller waits at most the time limit; past it the
+    call is abandoned with its env (closed on this thread if the call ever returns) and the thread with them."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ragen-pl-env-calls", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, out, done = job
+            try:
+                out.append((True, fn()))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller, raised there
+                out.append((False, err))
+            done.set()
+
+    def call(self, fn: Callable[[], Any], seconds: float) -> tuple[bool, Any]:
+        """``(True, (ok, value))`` once ``fn`` returned or raised within ``seconds``, else ``(False, None)``."""
+        out: list = []
+        done = threading.Event()
+        self.jobs.put((fn, out, done))
+        return (True, out[0]) if done.wait(seconds) else (False, None)
+
+    def abandon(self, cleanup: Callable[[], Any]) -> None:
+        """Run ``cleanup`` after the hung call, if it ever returns, then end the thread."""
+        self.jobs.put((cleanup, [], threading.Event()))
+        self.jobs.put(None)
+
+
 @dataclass
 class Episode:
     spec: EpisodeSpec
@@ -86,6 +115,8 @@ class Episode:
     response_tokens: int = 0
     done: bool = False
     failed: str | None = None
+    abandoned: bool = False
+    """An env call of this episode ran past the time limit off the main thread: its env is left to that call."""
     success: bool = False
     env_return: float = 0.0
     turns: int = 0
@@ -154,10 +185,35 @@ class Collector:
             max_seq_len = context_limit(self.config, known)
         self.max_seq_len = max_seq_len
         self._warned: set[str] = set()
+        self._env_threads: dict[int, _EnvThread] = {}  # per rollout thread off the main one
 
     def _format(self) -> str:
         c = self.config
         return format_instruction(c.think, c.max_actions_per_turn, c.max_new_tokens)
+
+    def _limited(self, ep: Episode, calls: Callable[[], Any]) -> Any:
+        """``calls()`` (env calls of ``ep``) within ``--data.rollout.step_timeout_s``, else EnvFailure.
+
+        On the main thread a SIGALRM cuts the call. Off it (the background rollout of ``--data.max_staleness`` >= 1)
+        the calls run on an env thread of the rollout's own and the rollout stops waiting at the limit: a call in C
+        or asleep is cut as surely as a Python loop, and the abandoned env is never touched again.
+        """
+        seconds = self.config.step_timeout_s
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+            with _alarm(seconds):
+                return calls()
+        me = threading.get_ident()
+        worker = self._env_threads.get(me) or self._env_threads.setdefault(me, _EnvThread())
+        finished, result = worker.call(calls, seconds)
+        if not finished:
+            del self._env_threads[me]
+            ep.abandoned = True
+            worker.abandon(lambda: _close(ep))
+            raise EnvFailure(f"env call ran past {seconds}s")
+        ok, value = result
+        if not ok:
+            raise value
+        return value
 
     def collect(self, specs: Sequence[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
         c = self.config
@@ -167,8 +223,7 @@ class Collector:
             ep = Episode(spec, _fresh_copy(spec.env))
             t0 = time.perf_counter()
             try:
-                with _time_limit(c.step_timeout_s):
-                    obs = _checked_observation(ep.env.reset(spec.seed), "reset")
+                obs = self._limited(ep, lambda ep=ep, seed=spec.seed: _checked_observation(ep.env.reset(seed), "reset"))
             except Exception as err:  # noqa: BLE001 - a broken env must not stop the rollout
                 ep.failed, ep.done = f"reset: {type(err).__name__}: {err}", True
                 episodes.append(ep)
@@ -208,7 +263,8 @@ class Collector:
         finally:
             self.engine.end_rollout()
             for ep in episodes:
-                _close(ep)
+                if not ep.abandoned:
+                    _close(ep)
         for ep in episodes:
             if not ep.done:
                 ep.done = True
@@ -230,37 +286,24 @@ class Collector:
         parsed = parse_answer(text, think=c.think, max_actions=c.max_actions_per_turn)
         timings["tokenize"] += time.perf_counter() - t0
         ep.turns += 1
-        reward, penalised = 0.0, not parsed.format_ok
-        executed: list[str] = []
+        penalised = not parsed.format_ok
         t0 = time.perf_counter()
         try:
-            with _time_limit(c.step_timeout_s):
-                ep.states.append(anchor_state(ep.env, ep.transcript[-1]["observation"]))
-                for action in parsed.actions:
-                    if ep.actions >= c.max_actions_per_episode:
-                        break
-                    obs, r, done, info = ep.env.step(action)
-                    _checked_observation(obs, "step")
-                    if not isinstance(r, numbers.Real) or not math.isfinite(r):
-                        raise ValueError(f"reward must be a finite number, got {r!r}")
-                    valid = bool(info.get("action_is_valid", True))
-                    ep.actions += valid or c.count_invalid_actions
-                    if not valid:
-                        penalised = True  # an invalid action: no env step, format penalty
-                        continue
-                    executed.append(action)
-                    ep.valid_actions += 1
-                    ep.effective_actions += bool(info.get("action_is_effective", False))
-                    reward += float(r)
-                    ep.success = ep.success or bool(info.get("success", False))
-                    if done:
-                        ep.done = True
-                        break
-                obs = _checked_observation(ep.env.render(), "render")
+            played = self._limited(ep, lambda: _play_actions(ep.env, ep.transcript[-1]["observation"], parsed.actions,
+                                                             c.max_actions_per_episode - ep.actions,
+                                                             c.count_invalid_actions))
         except Exception as err:  # noqa: BLE001 - a broken env must not stop the rollout
             ep.failed, ep.done = f"step: {type(err).__name__}: {err}", True
             timings["env"] += time.perf_counter() - t0
             return
+        state, executed, reward, invalid, counted, effective, success, done, obs = played
+        ep.states.append(state)
+        ep.actions += counted
+        ep.valid_actions += len(executed)
+        ep.effective_actions += effective
+        ep.success = ep.success or success
+        ep.done = ep.done or done
+        penalised = penalised or invalid
         timings["env"] += time.perf_counter() - t0
         ep.env_return += reward
         ep.format_errors += penalised
@@ -340,6 +383,38 @@ class Collector:
             sampling_masks=kept,
             turn_states=states,
         )
+
+
+def _play_actions(env: Env, observation: str, actions: Sequence[str], budget: int, count_invalid: bool):
+    """One turn's actions on ``env`` (at most ``budget`` counted), touching nothing but the env.
+
+    Returns the id of the state the turn started in, the executed actions, their reward, whether an action was
+    invalid, the actions counted against the budget, the effective ones, success, done and the new observation.
+    """
+    state = anchor_state(env, observation)
+    executed: list[str] = []
+    reward, invalid, counted, effective, success, ended = 0.0, False, 0, 0, False, False
+    for action in actions:
+        if counted >= budget:
+            break
+        obs, r, done, info = env.step(action)
+        _checked_observation(obs, "step")
+        if not isinstance(r, numbers.Real) or not math.isfinite(r):
+            raise ValueError(f"reward must be a finite number, got {r!r}")
+        valid = bool(info.get("action_is_valid", True))
+        counted += valid or count_invalid
+        if not valid:
+            invalid = True  # an invalid action: no env step, format penalty
+            continue
+        executed.append(action)
+        effective += bool(info.get("action_is_effective", False))
+        reward += float(r)
+        success = success or bool(info.get("success", False))
+        if done:
+            ended = True
+            break
+    obs = _checked_observation(env.render(), "render")
+    return state, executed, reward, invalid, counted, effective, success, ended, obs
 
 
 def _close(ep: Episode) -> None:

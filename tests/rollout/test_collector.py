@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -236,6 +237,60 @@ def test_failing_and_hanging_envs_are_excluded_and_counted(tiny):
     failed = [ep.failed for ep in result.episodes]
     assert "boom" in failed[0] and failed[1] is None and "ran past 0.2s" in failed[2]
     assert len(result.batch) == 1 and result.batch.env_tags == ("Bandit",)
+
+
+class Napping(Env):
+    """Sleeps past the limit in C (no SIGALRM off the main thread could cut it), then records its close."""
+
+    actions = ("A",)
+    closed: list[int] = []
+
+    @property
+    def instructions(self) -> str:
+        return "Say A."
+
+    def reset(self, seed):
+        self.seed = seed
+        return "start"
+
+    def render(self):
+        return "state"
+
+    def step(self, action):
+        time.sleep(0.8)
+        return "state", 0.0, True, {"success": True, "action_is_valid": True, "action_is_effective": True}
+
+    def close(self):
+        Napping.closed.append(self.seed)
+
+
+def test_the_time_limit_holds_off_the_main_thread(tiny):
+    """The background rollout of max_staleness >= 1 plays envs off the main thread, where no SIGALRM can be used:
+    a hanging env call (asleep in C, or a Python loop) still fails its trajectory at the limit, the others play on,
+    and the abandoned env is closed once its call returns."""
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>A</answer>")
+    config = RolloutConfig(max_turns=2, step_timeout_s=0.2)
+    specs = [EpisodeSpec(Napping(), 7, 0), EpisodeSpec(Bandit(), 1, 1), EpisodeSpec(Exploding("hang"), 2, 2),
+             EpisodeSpec(Exploding("raise"), 3, 3)]
+    out: dict = {}
+
+    def play():
+        start = time.perf_counter()
+        out["result"] = Collector(engine, tok, config).collect(specs)
+        out["seconds"] = time.perf_counter() - start
+
+    Napping.closed.clear()
+    worker = threading.Thread(target=play)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and out["seconds"] < 2
+    failed = [ep.failed for ep in out["result"].episodes]
+    assert "ran past 0.2s" in failed[0] and failed[1] is None and "ran past 0.2s" in failed[2] and "boom" in failed[3]
+    assert len(out["result"].batch) == 1 and out["result"].batch.env_tags == ("Bandit",)
+    assert Napping.closed == []  # its call still runs: the env is not touched under it
+    time.sleep(1.0)
+    assert Napping.closed == [7]
 
 
 def test_rollout_config_errors():
