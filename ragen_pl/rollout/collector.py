@@ -185,7 +185,7 @@ class Collector:
             max_seq_len = context_limit(self.config, known)
         self.max_seq_len = max_seq_len
         self._warned: set[str] = set()
-        self._env_threads: dict[int, _EnvThread] = {}  # per rollout thread off the main one
+        self._env_threads: dict[int, _EnvThread] = {}  # per rollout under way off the main thread
 
     def _format(self) -> str:
         c = self.config
@@ -195,8 +195,8 @@ class Collector:
         """``calls()`` (env calls of ``ep``) within ``--data.rollout.step_timeout_s``, else EnvFailure.
 
         On the main thread a SIGALRM cuts the call. Off it (the background rollout of ``--data.max_staleness`` >= 1)
-        the calls run on an env thread of the rollout's own and the rollout stops waiting at the limit: a call in C
-        or asleep is cut as surely as a Python loop, and the abandoned env is never touched again.
+        the calls run on an env thread of the rollout's own, and the rollout stops waiting at the limit whatever the
+        call does (a Python loop, a C call, a sleep): the call goes on by itself with an env no one touches again.
         """
         seconds = self.config.step_timeout_s
         if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
@@ -263,8 +263,10 @@ class Collector:
         finally:
             self.engine.end_rollout()
             for ep in episodes:
-                if not ep.abandoned:
-                    _close(ep)
+                if not ep.abandoned:  # on the thread that played it, within the limit
+                    _close(ep, lambda ep=ep: self._limited(ep, ep.env.close))
+            if (worker := self._env_threads.pop(threading.get_ident(), None)) is not None:
+                worker.jobs.put(None)  # the env thread lives as long as the rollout
         for ep in episodes:
             if not ep.done:
                 ep.done = True
@@ -417,10 +419,11 @@ def _play_actions(env: Env, observation: str, actions: Sequence[str], budget: in
     return state, executed, reward, invalid, counted, effective, success, ended, obs
 
 
-def _close(ep: Episode) -> None:
-    """End the episode's env (its session, if it holds one); a failure to close fails nothing already played."""
+def _close(ep: Episode, closing: Callable[[], Any] | None = None) -> None:
+    """End the episode's env (its session, if it holds one) with ``closing`` (default: ``ep.env.close``); a failure
+    to close fails nothing already played."""
     try:
-        ep.env.close()
+        (closing or ep.env.close)()
     except Exception as err:  # noqa: BLE001 - the trajectory is complete; say so and go on
         warnings.warn(f"env {ep.env.tag!r} (seed {ep.spec.seed}) failed to close: {type(err).__name__}: {err}",
                       stacklevel=2)

@@ -281,6 +281,7 @@ def test_the_time_limit_holds_off_the_main_thread(tiny):
         out["seconds"] = time.perf_counter() - start
 
     Napping.closed.clear()
+    before = set(threading.enumerate())
     worker = threading.Thread(target=play)
     worker.start()
     worker.join(10)
@@ -291,6 +292,8 @@ def test_the_time_limit_holds_off_the_main_thread(tiny):
     assert Napping.closed == []  # its call still runs: the env is not touched under it
     time.sleep(1.0)
     assert Napping.closed == [7]
+    # the rollout's env thread ended with it, the napping env's with its call; the 5 s hang's still runs
+    assert [t.name for t in set(threading.enumerate()) - before] == ["ragen-pl-env-calls"]
 
 
 def test_rollout_config_errors():
