@@ -128,6 +128,13 @@ class TrainingBudget(Callback):
         self.spent_s = 0.0
 
     @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.spent_s >= 60 * self.minutes:  # a run resumed after its budget was used trains nothing more
+            rank_zero_info(f"training budget of {self.minutes:g} minutes already used ({self.spent_s:.0f} s of "
+                           f"iterations); no iteration after step {trainer.global_step}")
+            trainer.should_stop = True
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         spent = trainer.callback_metrics.get("time/iteration")
         if spent is not None:

