@@ -93,13 +93,12 @@ def main() -> int:
     args, extra = parser.parse_known_args()
     if not args.gpu and not 0 < args.rollout_threads < args.threads:
         raise SystemExit(f"--rollout-threads must be in [1, --threads - 1], got {args.rollout_threads}")
-    if args.gpu:
+    trainer_threads = args.trainer_threads or args.threads - args.rollout_threads
+    if args.gpu:  # every layout on the one GPU, bf16; threads do not apply
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("--gpu: no CUDA device here")
-    trainer_threads = args.trainer_threads or args.threads - args.rollout_threads
-    if args.gpu:  # every layout on the one GPU, bf16; threads do not apply
         sides, process = (None, None), ["--data.engine=process"]
         extra = ["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", *extra]
         where = "one GPU: K=0 hf colocated; process engine: trainer and rollout process on the same GPU"

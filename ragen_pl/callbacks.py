@@ -127,9 +127,13 @@ class TrainingBudget(Callback):
         self.minutes = minutes
         self.spent_s = 0.0
 
+    @property
+    def used(self) -> bool:
+        return self.spent_s >= 60 * self.minutes
+
     @override
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.spent_s >= 60 * self.minutes:  # a run resumed after its budget was used trains nothing more
+        if self.used:  # a run resumed after its budget was used trains nothing more
             rank_zero_info(f"training budget of {self.minutes:g} minutes already used ({self.spent_s:.0f} s of "
                            f"iterations); no iteration after step {trainer.global_step}")
             trainer.should_stop = True
@@ -139,7 +143,7 @@ class TrainingBudget(Callback):
         spent = trainer.callback_metrics.get("time/iteration")
         if spent is not None:
             self.spent_s += float(spent)
-        if self.spent_s >= 60 * self.minutes:
+        if self.used:
             rank_zero_info(f"training budget of {self.minutes:g} minutes used ({self.spent_s:.0f} s of iterations); "
                            f"stopping after {trainer.global_step} iterations")
             trainer.should_stop = True
