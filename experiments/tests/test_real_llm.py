@@ -50,6 +50,12 @@ def test_real_llm_benchmark_smoke(tiny_model_path, tmp_path):
     assert "(final, last weights, 6 episodes)" in again.stdout
     seed = tmp_path / "runs" / "seed0"
     assert len(list(seed.glob("*/version_*"))) == 1 and len(list((seed / "final").glob("*/version_*"))) == 2
+    # With the loop's own 4 episodes, the fit's evaluation as it stopped (the last weights) is the final one: no third.
+    same = [*command[:command.index("--final-episodes")], *command[command.index("--final-episodes") + 2:]]
+    again = subprocess.run([*same, "--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(final, last weights, 4 episodes, the fit's own last evaluation)" in again.stdout, again.stdout
+    assert len(list((seed / "final").glob("*/version_*"))) == 2
 
     # policy_reading on that run: the greedy first action of its start and of its last weights
     run = next((tmp_path / "runs").rglob("checkpoints")).parent

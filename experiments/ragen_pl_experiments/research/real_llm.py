@@ -15,7 +15,8 @@ start on random legal play, then StarPO) and prints, per seed:
 2. the format warm start's build time (``--rebuild`` builds it again, to time it);
 3. evaluation success at step 0 and at every evaluation with the training seconds so far (rollout, scoring,
    update; evaluations not counted), until ``--minutes`` of training (``ragen_pl.callbacks.TrainingBudget``), then a
-   final evaluation of the last weights;
+   final evaluation of the last weights (the fit's own evaluation as it stopped, where that one played the
+   ``--final-episodes``);
 4. the time per iteration split into generation, scoring, update and the rest (env steps, tokenisation, filter);
 5. the collapse metrics and Echo Trap alarm of the run, where the config logs them, and the random policy's success
    with as many actions as the model used at step 0 (a model that answers one action per turn plays half the
@@ -158,25 +159,33 @@ def main() -> int:
             if code:
                 return code
             done.touch()
-        last = max(save.glob("*/version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        # the weights the budget ended with, on the final evaluation's seeds (logged apart from the fit's versions)
-        code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}",
-                    f"--trainer.logger.init_args.save_dir={save / 'final'}"])
-        if code:
-            return code
-        fit_s = time.perf_counter() - t
-        rows, validated = fit_rows(read_runs(save)), read_runs(save / "final")[-1]
+        rows = fit_rows(read_runs(save))
         points = curve(rows, tag)
         trained = [r for r in rows if r.get("time/iteration")]
+        # The weights the budget ended with, on the final evaluation's seeds. Lightning evaluates them as the fit stops
+        # early; when that evaluation played the same episodes it is the final one (the same seeds, the same sampling),
+        # else they are evaluated here, logged apart from the fit's versions.
+        repeated = not (n_eval == n_loop and points and points[-1]["iteration"] == len(trained))
+        if repeated:
+            last = max(save.glob("*/version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+            code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}",
+                        f"--trainer.logger.init_args.save_dir={save / 'final'}"])
+            if code:
+                return code
+            validated = read_runs(save / "final")[-1]
+        else:
+            validated = [r for r in rows if r.get(f"val/{tag}/success")][-1:]
+        fit_s = time.perf_counter() - t
         final = {"iteration": len(trained), "train_s": sum(float(r["time/iteration"]) for r in trained),
                  "success": float(next(r[f"val/{tag}/success"] for r in validated if r.get(f"val/{tag}/success")))}
         if points and points[-1]["iteration"] == final["iteration"]:
             points = points[:-1]  # the last in-loop evaluation was of these weights: the final one replaces it
         points.append({**final, "final": 1.0})
+        source = "" if repeated else ", the fit's own last evaluation"
         print(f"\nseed {seed}: {'iteration':>9} {'training s':>10} {'success':>8}")
         for p in points:
             print(f"{'':8}{p['iteration']:>9} {p['train_s']:>10.0f} {p['success']:>8.3f}"
-                  f"{f'  (final, last weights, {n_eval} episodes)' if p.get('final') else ''}")
+                  f"{f'  (final, last weights, {n_eval} episodes{source})' if p.get('final') else ''}")
         parts = {k: mean_of(trained, f"time/{k}") for k in ("iteration", "rollout_generate", "prepare", "update")}
         rest = parts["iteration"] - parts["rollout_generate"] - parts["prepare"] - parts["update"]
         print(f"        per iteration: {parts['iteration']:.1f} s = generation {parts['rollout_generate']:.1f} + "
