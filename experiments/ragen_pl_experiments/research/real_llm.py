@@ -165,7 +165,8 @@ def main() -> int:
         # The weights the budget ended with, on the final evaluation's seeds. Lightning evaluates them as the fit stops
         # early; when that evaluation played the same episodes it is the final one (the same seeds, the same sampling),
         # else they are evaluated here, logged apart from the fit's versions.
-        repeated = not (n_eval == n_loop and points and points[-1]["iteration"] == len(trained))
+        at_end = bool(points) and points[-1]["iteration"] == len(trained)  # the fit's last evaluation: the last weights
+        repeated = not (n_eval == n_loop and at_end)
         if repeated:
             last = max(save.glob("*/version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
             code = cli(["validate", *common, f"--ckpt_path={last}", *extra, f"--data.val_episodes={n_eval}",
@@ -178,8 +179,8 @@ def main() -> int:
         fit_s = time.perf_counter() - t
         final = {"iteration": len(trained), "train_s": sum(float(r["time/iteration"]) for r in trained),
                  "success": float(next(r[f"val/{tag}/success"] for r in validated if r.get(f"val/{tag}/success")))}
-        if points and points[-1]["iteration"] == final["iteration"]:
-            points = points[:-1]  # the last in-loop evaluation was of these weights: the final one replaces it
+        if at_end:
+            points = points[:-1]  # the final evaluation replaces the in-loop one of the same weights
         points.append({**final, "final": 1.0})
         source = "" if repeated else ", the fit's own last evaluation"
         print(f"\nseed {seed}: {'iteration':>9} {'training s':>10} {'success':>8}")
