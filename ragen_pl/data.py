@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
+from tqdm import tqdm
 from typing_extensions import override
 
 from ragen_pl.baselines import reference_success
@@ -343,8 +345,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self.trainer.should_stop = True
         return RolloutBatch(batch, metrics, played.result or _result_of(played), empty=kept == 0)
 
-    def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None, sync: bool = True
-                 ) -> RolloutResult:
+    def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None, sync: bool = True,
+                 progress: Callable[[int], Any] | None = None) -> RolloutResult:
         """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode). ``sync``:
         first bind the policy again if the strategy replaced it and hand the engine the current weights (the
         trainer's thread; a background rollout gets its weights from :class:`RolloutsAhead`)."""
@@ -355,7 +357,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.sync_engine(module)
         self.engine.wake_up()
         try:
-            return self.collector.collect(specs, temperature=temperature)
+            return self.collector.collect(specs, temperature=temperature, progress=progress)
         finally:
             self.engine.sleep()
 
@@ -448,12 +450,13 @@ class RolloutDataModule(pl.LightningDataModule):
     def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
-        if self.ahead is not None:  # the engine between two background rollouts, with the current weights
-            with self.ahead.engine_idle():
-                result = self._collect(specs, temperature=self.val_temperature)
-                self.ahead.engine_step = self.trainer.global_step
-        else:
-            result = self._collect(specs, temperature=self.val_temperature)
+        with self._episode_bar(len(specs), f"{prefix}/{env.tag}") as bar:
+            if self.ahead is not None:  # the engine between two background rollouts, with the current weights
+                with self.ahead.engine_idle():
+                    result = self._collect(specs, temperature=self.val_temperature, progress=bar)
+                    self.ahead.engine_step = self.trainer.global_step
+            else:
+                result = self._collect(specs, temperature=self.val_temperature, progress=bar)
         failed, played = self._check_failures(_failed(result), len(result.episodes),
                                               f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")
@@ -468,6 +471,20 @@ class RolloutDataModule(pl.LightningDataModule):
                        f"{counted} episodes{f' ({beside} on the same seeds)' if beside else ''}{share}{lost}")
         self.eval_results[env.tag] = result
         return metrics
+
+    @contextmanager
+    def _episode_bar(self, total: int, name: str) -> Iterator[Callable[[int], Any] | None]:
+        """A progress bar of the evaluation's episodes as they end, on rank 0 of a trainer that shows progress bars
+        (an evaluation of 256 episodes runs for minutes; Lightning's own bar counts it as one batch)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.progress_bar_callback is None or not trainer.is_global_zero:
+            yield None
+            return
+        bar = tqdm(total=total, desc=f"{name} episodes", unit="ep", leave=False, dynamic_ncols=True)
+        try:
+            yield bar.update
+        finally:
+            bar.close()
 
     def reference_success(self, env: Env) -> dict[str, float]:
         """The random and the optimal policy's success on this rank's evaluation seeds of ``env`` with the rollout's

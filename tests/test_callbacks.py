@@ -223,6 +223,20 @@ def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
                         for m in said)
 
 
+@pytest.mark.parametrize("bars", [True, False])
+def test_an_evaluation_shows_its_episodes_as_they_end(tiny_model_path, tmp_path, capfd, bars):
+    """Lightning's validation bar counts an evaluation as one batch; the episodes get a bar of their own, shown
+    only where the trainer shows progress bars."""
+    module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
+    dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=8,
+                           rollout=RolloutConfig(max_turns=1, max_new_tokens=6, max_actions_per_episode=1))
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=bars,
+                         enable_model_summary=False)
+    trainer.validate(module, dm)
+    err = capfd.readouterr().err
+    assert ("val/Bandit episodes:   0%| " in err and "0/8" in err) is bars  # the collector test counts them
+
+
 def test_random_success_by_hand():
     """Bandit with one action: a random arm of two, so about half the plays choose the high-risk arm; a free-text env
     has no random policy here."""

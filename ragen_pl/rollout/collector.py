@@ -215,8 +215,20 @@ class Collector:
             raise value
         return value
 
-    def collect(self, specs: Sequence[EpisodeSpec], temperature: float | None = None) -> RolloutResult:
+    def collect(self, specs: Sequence[EpisodeSpec], temperature: float | None = None,
+                progress: Callable[[int], Any] | None = None) -> RolloutResult:
+        """Play ``specs`` turn by turn, every live episode in one engine call per turn. ``progress`` (a progress
+        bar's ``update``) is called with the number of episodes that ended, as they end."""
         c = self.config
+        reported = 0
+
+        def report() -> None:
+            nonlocal reported
+            ended = sum(ep.done for ep in episodes)
+            if progress is not None and ended > reported:
+                progress(ended - reported)
+            reported = ended
+
         timings = {"generate": 0.0, "env": 0.0, "tokenize": 0.0}
         episodes = []
         for spec in specs:
@@ -260,6 +272,7 @@ class Collector:
                 timings["generate"] += time.perf_counter() - t0
                 for ep, gen in zip(live, gens):
                     self._play_turn(ep, gen, turn, timings)
+                report()
         finally:
             self.engine.end_rollout()
             for ep in episodes:
@@ -270,6 +283,7 @@ class Collector:
         for ep in episodes:
             if not ep.done:
                 ep.done = True
+        report()
         t0 = time.perf_counter()
         batch = self._assemble([ep for ep in episodes if ep.failed is None])
         timings["tokenize"] += time.perf_counter() - t0

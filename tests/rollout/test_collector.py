@@ -202,6 +202,45 @@ def test_done_stops_the_trajectory(tiny):
         assert ep.turns == 1 and ep.actions == 1 and ep.success and ep.done
 
 
+class Steps(Env):
+    """Ends after ``seed % 3 + 1`` actions; seed 99's reset raises."""
+
+    actions = ("A",)
+
+    @property
+    def instructions(self) -> str:
+        return "Say A."
+
+    def reset(self, seed):
+        if seed == 99:
+            raise RuntimeError("no board")
+        self.left = seed % 3 + 1
+        return "start"
+
+    def render(self):
+        return f"{self.left} left"
+
+    def step(self, action):
+        self.left -= 1
+        return self.render(), 0.0, self.left == 0, {"success": False, "action_is_valid": True,
+                                                     "action_is_effective": True}
+
+
+def test_progress_counts_the_episodes_as_they_end(tiny):
+    _, tok = tiny
+    engine = Scripted(tok, lambda turn, _: "x</think><answer>A</answer>")
+    specs = [EpisodeSpec(Steps(), seed=s, group_id=s) for s in (0, 1, 2, 3, 4, 99)]
+    ended = []
+    result = Collector(engine, tok, RolloutConfig(max_turns=5)).collect(specs, progress=ended.append)
+    # turn 1 ends seeds 0 and 3 and the failed reset; turn 2 seeds 1 and 4; turn 3 seed 2; nothing after
+    assert ended == [3, 2, 1]
+    assert [ep.turns for ep in result.episodes] == [1, 2, 3, 1, 2, 0]
+    # an episode the turn budget cuts ends with the rollout
+    ended = []
+    Collector(engine, tok, RolloutConfig(max_turns=2)).collect(specs[:3], progress=ended.append)
+    assert ended == [1, 2] and sum(ended) == 3
+
+
 class Exploding(Env):
     actions = ("A",)
 
