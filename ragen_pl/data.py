@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,13 +450,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def evaluate(self, env: Env, prefix: str) -> dict[str, Tensor]:
         """Play this rank's share of the fixed evaluation episodes of ``env``; return its metrics."""
         specs = [EpisodeSpec(env, seed=s, group_id=s) for s in self.eval_seeds()]
-        with self._episode_bar(len(specs), f"{prefix}/{env.tag}") as bar:
-            if self.ahead is not None:  # the engine between two background rollouts, with the current weights
-                with self.ahead.engine_idle():
-                    result = self._collect(specs, temperature=self.val_temperature, progress=bar)
-                    self.ahead.engine_step = self.trainer.global_step
-            else:
-                result = self._collect(specs, temperature=self.val_temperature, progress=bar)
+        # with rollouts ahead: the engine between two background rollouts, with the current weights
+        idle = self.ahead.engine_idle() if self.ahead is not None else nullcontext()
+        with self._episode_bar(len(specs), f"{prefix}/{env.tag}") as bar, idle:
+            result = self._collect(specs, temperature=self.val_temperature, progress=bar)
+            if self.ahead is not None:
+                self.ahead.engine_step = self.trainer.global_step
         failed, played = self._check_failures(_failed(result), len(result.episodes),
                                               f"{prefix} episode of env {env.tag!r}", f"env {env.tag!r}")
         metrics = rollout_metrics(result.episodes, prefix=f"{prefix}/{env.tag}")

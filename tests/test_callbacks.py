@@ -224,7 +224,7 @@ def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("bars", [True, False])
-def test_an_evaluation_shows_its_episodes_as_they_end(tiny_model_path, tmp_path, capfd, bars):
+def test_an_evaluation_shows_its_episodes_as_they_end(tiny_model_path, capfd, bars):
     """Lightning's validation bar counts an evaluation as one batch; the episodes get a bar of their own, shown
     only where the trainer shows progress bars."""
     module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))

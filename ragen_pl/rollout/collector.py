@@ -224,8 +224,10 @@ class Collector:
 
         def report() -> None:
             nonlocal reported
+            if progress is None:
+                return
             ended = sum(ep.done for ep in episodes)
-            if progress is not None and ended > reported:
+            if ended > reported:
                 progress(ended - reported)
             reported = ended
 
