@@ -11,11 +11,13 @@ the last 3). ``tests/test_quickstart.py`` takes its margins from this table.
 
 ``--beside "FLAGS"`` also trains every seed with FLAGS added and prints both, e.g. ``--beside "--config
 configs/variants/async.yaml --torch_threads=1"`` (rollouts one update ahead, the trainer and the rollout process on one
-core each) beside the synchronous quickstart.
+core each) beside the synchronous quickstart, then per env the difference at the end paired by seed (FLAGS less the
+base): its mean, its standard error over seeds and their ratio t (|t| below 2: within the seeds' noise).
 
 ``--config`` adds a config on top of the quickstart (e.g. the GRPO variant); ``--keep DIR`` copies each run's
 metrics.csv to ``DIR/seed<k>.csv`` (the Echo Trap alarm's recorded traces come from such runs), and
-``--from-kept DIR`` prints the table of such runs again without training.
+``--from-kept DIR`` prints the table of such runs again without training (with ``--beside``, whose runs are kept in
+``DIR/beside/``, both tables and their paired difference).
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ def run(seed: int, steps: int, val_episodes: int, extra: list[str], keep: Path |
     return eval_success(metrics)
 
 
+def paired_difference(base: dict[int, dict], other: dict[int, dict], env: str) -> tuple[float, float, int]:
+    """(mean, standard error, seeds) of the final evaluation success of ``other`` less ``base``, paired by seed (the
+    seeds both tables hold); the standard error is NaN with fewer than 2 seeds."""
+    diffs = [other[s][env][1] - base[s][env][1] for s in base if s in other and env in base[s] and env in other[s]]
+    n = len(diffs)
+    mean = sum(diffs) / n if n else math.nan
+    if n < 2:
+        return mean, math.nan, n
+    return mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n), n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -88,20 +101,19 @@ def main() -> None:
     extra = [*(a for c in args.config for a in ("--config", c)), *flags]
     layouts = {"": extra}
     if args.beside is not None:
-        if args.from_kept is not None:
-            raise SystemExit("error: --beside trains; it cannot be read back with --from-kept")
         layouts[args.beside] = [*extra, *shlex.split(args.beside)]
     tables: dict[str, dict] = {name: {} for name in layouts}
     for seed in args.seeds:
         for name, flags_of in layouts.items():
             table, start = tables[name], time.perf_counter()
             if args.from_kept is None:
-                table[seed] = run(seed, args.steps, args.val_episodes, flags_of, args.keep if not name else None)
-            elif (args.from_kept / f"seed{seed}.csv").exists():
-                table[seed] = eval_success(args.from_kept / f"seed{seed}.csv")
+                keep = args.keep / "beside" if args.keep is not None and name else args.keep
+                table[seed] = run(seed, args.steps, args.val_episodes, flags_of, keep)
+            elif (kept := (args.from_kept / "beside" if name else args.from_kept) / f"seed{seed}.csv").exists():
+                table[seed] = eval_success(kept)
             else:
-                raise SystemExit(f"error: --from-kept {args.from_kept}: no seed{seed}.csv there (give the --seeds it "
-                                 f"kept)")
+                raise SystemExit(f"error: --from-kept {args.from_kept}: no {kept.relative_to(args.from_kept)} there "
+                                 f"(give the --seeds it kept{', and --beside only if it ran with it' if name else ''})")
             cells = "  ".join(f"{env} {a:.3f} -> {b:.3f} (training {t:+.3f})" for env, (a, b, t) in table[seed].items())
             took = f"  ({time.perf_counter() - start:.0f}s with the warm start)" if args.from_kept is None else ""
             print(f"seed {seed}{f' [{name}]' if name else ''}: {cells}{took}", flush=True)
@@ -117,6 +129,13 @@ def main() -> None:
                   f"mean {sum(ends) / len(ends):.3f}; gain {min(gains):+.3f} to {max(gains):+.3f}; training success "
                   f"(first iteration to the mean of the last 3) {min(rises):+.3f} to {max(rises):+.3f} over {len(table)} "
                   f"seeds")
+    if args.beside is not None:
+        base, other = tables[""], tables[args.beside]
+        print(f"{args.beside} less the base, at step {args.steps}, paired by seed:")
+        for env in next(iter(base.values())):
+            mean, se, n = paired_difference(base, other, env)
+            t = f"{mean / se:+.2f}" if se > 0 else "undefined (no spread)"
+            print(f"{env}: mean {mean:+.3f}, standard error {se:.3f}, t {t} over {n} seeds")
 
 
 if __name__ == "__main__":

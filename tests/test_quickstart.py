@@ -57,3 +57,33 @@ def test_learning_seeds_reads_a_kept_run(tmp_path, monkeypatch):
     (tmp_path / "seed4.csv").write_text("\n".join(["step,val/Sokoban/success", "0,0.25", "4,0.5"]) + "\n")
     start, end, rise = learning_seeds.eval_success(tmp_path / "seed4.csv")["Sokoban"]
     assert (start, end) == (0.25, 0.5) and math.isnan(rise)
+
+
+def test_learning_seeds_pairs_the_layouts_by_seed(tmp_path, monkeypatch, capsys):
+    """learning_seeds --beside: the final success of the second layout less the base's, paired by seed, with its
+    standard error over seeds (by hand: differences -0.25, 0.0, -0.5; mean -0.25, sample SD 0.25, SE 0.25 / sqrt 3);
+    both layouts' runs are read back from --keep's folders."""
+    import sys
+
+    from tests.helpers import import_benchmark
+
+    learning_seeds = import_benchmark(monkeypatch, "learning_seeds")
+    base = {0: {"FL": (0.0, 0.5, 0.1)}, 1: {"FL": (0.0, 0.25, 0.1)}, 2: {"FL": (0.0, 0.75, 0.1)}}
+    other = {0: {"FL": (0.0, 0.25, 0.1)}, 1: {"FL": (0.0, 0.25, 0.1)}, 2: {"FL": (0.0, 0.25, 0.1)}, 3: {"FL": (0, 1, 0)}}
+    mean, se, n = learning_seeds.paired_difference(base, other, "FL")
+    assert n == 3 and mean == pytest.approx(-0.25) and se == pytest.approx(0.25 / math.sqrt(3))
+    assert math.isnan(learning_seeds.paired_difference({0: base[0]}, other, "FL")[1])
+
+    for folder, table in ((tmp_path, base), (tmp_path / "beside", other)):
+        folder.mkdir(exist_ok=True)
+        for seed, cells in table.items():
+            (folder / f"seed{seed}.csv").write_text(f"step,val/FL/success\n0,{cells['FL'][0]}\n4,{cells['FL'][1]}\n")
+    argv = ["learning_seeds.py", "--from-kept", str(tmp_path), "--seeds", "0", "1", "2", "--beside", "K=1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    learning_seeds.main()
+    out = capsys.readouterr().out
+    assert "seed 1 [K=1]: FL 0.000 -> 0.250" in out
+    assert f"FL: mean -0.250, standard error {0.25 / math.sqrt(3):.3f}, t {-math.sqrt(3):+.2f} over 3 seeds" in out
+    (tmp_path / "beside" / "seed2.csv").unlink()
+    with pytest.raises(SystemExit, match="no beside/seed2.csv there"):
+        learning_seeds.main()
