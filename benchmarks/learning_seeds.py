@@ -27,6 +27,7 @@ import csv
 import math
 import shlex
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -80,10 +81,13 @@ def paired_difference(base: dict[int, dict], other: dict[int, dict], env: str) -
     seeds both tables hold); the standard error is NaN with fewer than 2 seeds."""
     diffs = [other[s][env][1] - base[s][env][1] for s in base if s in other and env in base[s] and env in other[s]]
     n = len(diffs)
-    mean = sum(diffs) / n if n else math.nan
-    if n < 2:
-        return mean, math.nan, n
-    return mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n), n
+    mean = statistics.mean(diffs) if n else math.nan
+    return mean, statistics.stdev(diffs) / math.sqrt(n) if n >= 2 else math.nan, n
+
+
+def runs_folder(root: Path, beside: bool) -> Path:
+    """Where ``--keep`` / ``--from-kept`` ``root`` holds the base layout's runs, or the ``--beside`` layout's."""
+    return root / "beside" if beside else root
 
 
 def main() -> None:
@@ -107,9 +111,9 @@ def main() -> None:
         for name, flags_of in layouts.items():
             table, start = tables[name], time.perf_counter()
             if args.from_kept is None:
-                keep = args.keep / "beside" if args.keep is not None and name else args.keep
+                keep = runs_folder(args.keep, bool(name)) if args.keep is not None else None
                 table[seed] = run(seed, args.steps, args.val_episodes, flags_of, keep)
-            elif (kept := (args.from_kept / "beside" if name else args.from_kept) / f"seed{seed}.csv").exists():
+            elif (kept := runs_folder(args.from_kept, bool(name)) / f"seed{seed}.csv").exists():
                 table[seed] = eval_success(kept)
             else:
                 raise SystemExit(f"error: --from-kept {args.from_kept}: no {kept.relative_to(args.from_kept)} there "
