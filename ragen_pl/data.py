@@ -346,7 +346,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return RolloutBatch(batch, metrics, played.result or _result_of(played), empty=kept == 0)
 
     def _collect(self, specs: list[EpisodeSpec], temperature: float | None = None, sync: bool = True,
-                 progress: Callable[[int], Any] | None = None) -> RolloutResult:
+                 progress: Callable[[int, int], Any] | None = None) -> RolloutResult:
         """Play with the engine awake, and let it free its memory again afterwards (vLLM's sleep mode). ``sync``:
         first bind the policy again if the strategy replaced it and hand the engine the current weights (the
         trainer's thread; a background rollout gets its weights from :class:`RolloutsAhead`)."""
@@ -472,16 +472,25 @@ class RolloutDataModule(pl.LightningDataModule):
         return metrics
 
     @contextmanager
-    def _episode_bar(self, total: int, name: str) -> Iterator[Callable[[int], Any] | None]:
-        """A progress bar of the evaluation's episodes as they end, on rank 0 of a trainer that shows progress bars
-        (an evaluation of 256 episodes runs for minutes; Lightning's own bar counts it as one batch)."""
+    def _episode_bar(self, total: int, name: str) -> Iterator[Callable[[int, int], Any] | None]:
+        """A progress bar of the evaluation, on rank 0 of a trainer that shows progress bars (an evaluation of 256
+        episodes runs for minutes; Lightning's own bar counts it as one batch). It counts episode-turns, each ended
+        episode as its whole turn budget, so its time left holds though most episodes end only at the last turn; the
+        episodes ended so far stand beside it."""
         trainer = getattr(self, "trainer", None)
         if trainer is None or trainer.progress_bar_callback is None or not trainer.is_global_zero:
             yield None
             return
-        bar = tqdm(total=total, desc=f"{name} episodes", unit="ep", leave=False, dynamic_ncols=True)
+        turns = self.rollout_config.max_turns
+        bar = tqdm(total=total * turns, desc=f"{name} episode turns", unit="turn", leave=False, dynamic_ncols=True,
+                   postfix=f"0/{total} episodes ended")
+
+        def update(ended: int, done: int) -> None:  # once a turn: a refresh each
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"{ended}/{total} episodes ended")
+
         try:
-            yield bar.update
+            yield update
         finally:
             bar.close()
 

@@ -224,9 +224,9 @@ def test_a_run_ends_with_a_summary_per_env(tiny_model_path, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("bars", [True, False])
-def test_an_evaluation_shows_its_episodes_as_they_end(tiny_model_path, capfd, bars):
-    """Lightning's validation bar counts an evaluation as one batch; the episodes get a bar of their own, shown
-    only where the trainer shows progress bars."""
+def test_an_evaluation_shows_its_progress_by_turn(tiny_model_path, capfd, bars):
+    """Lightning's validation bar counts an evaluation as one batch; the episodes' turns get a bar of their own, with
+    the episodes ended beside it, shown only where the trainer shows progress bars."""
     module = RagenModule(str(tiny_model_path), ppo=PPOConfig(mini_batch_size=4, micro_batch_size=4))
     dm = RolloutDataModule(Bandit(), n_groups=2, group_size=2, filter=NoFilter(), val_episodes=8,
                            rollout=RolloutConfig(max_turns=1, max_new_tokens=6, max_actions_per_episode=1))
@@ -234,7 +234,8 @@ def test_an_evaluation_shows_its_episodes_as_they_end(tiny_model_path, capfd, ba
                          enable_model_summary=False)
     trainer.validate(module, dm)
     err = capfd.readouterr().err
-    assert ("val/Bandit episodes:   0%| " in err and "0/8" in err) is bars  # the collector test counts them
+    # 8 episodes of one turn: 8 episode-turns (the collector's test counts them)
+    assert ("val/Bandit episode turns:   0%| " in err and "0/8" in err and "8/8 episodes ended" in err) is bars
 
 
 def test_random_success_by_hand():

@@ -216,20 +216,23 @@ class Collector:
         return value
 
     def collect(self, specs: Sequence[EpisodeSpec], temperature: float | None = None,
-                progress: Callable[[int], Any] | None = None) -> RolloutResult:
-        """Play ``specs`` turn by turn, every live episode in one engine call per turn. ``progress`` (a progress
-        bar's ``update``) is called with the number of episodes that ended, as they end."""
+                progress: Callable[[int, int], Any] | None = None) -> RolloutResult:
+        """Play ``specs`` turn by turn, every live episode in one engine call per turn. ``progress`` is called after
+        a turn with the episodes ended so far and the episode-turns done so far, of ``len(specs) * max_turns``: the
+        turns each live episode has played and the whole turn budget of each that ended (a bar of these shows an
+        honest time left; most episodes end only at the last turn)."""
         c = self.config
-        reported = 0
+        reported = (0, 0)
 
-        def report() -> None:
+        def report(played: int) -> None:
             nonlocal reported
             if progress is None:
                 return
             ended = sum(ep.done for ep in episodes)
-            if ended > reported:
-                progress(ended - reported)
-            reported = ended
+            now = (ended, ended * c.max_turns + (len(episodes) - ended) * played)
+            if now != reported:
+                progress(*now)
+            reported = now
 
         timings = {"generate": 0.0, "env": 0.0, "tokenize": 0.0}
         episodes = []
@@ -274,7 +277,7 @@ class Collector:
                 timings["generate"] += time.perf_counter() - t0
                 for ep, gen in zip(live, gens):
                     self._play_turn(ep, gen, turn, timings)
-                report()
+                report(turn + 1)
         finally:
             self.engine.end_rollout()
             for ep in episodes:
@@ -285,7 +288,7 @@ class Collector:
         for ep in episodes:
             if not ep.done:
                 ep.done = True
-        report()
+        report(c.max_turns)
         t0 = time.perf_counter()
         batch = self._assemble([ep for ep in episodes if ep.failed is None])
         timings["tokenize"] += time.perf_counter() - t0

@@ -226,19 +226,20 @@ class Steps(Env):
                                                      "action_is_effective": True}
 
 
-def test_progress_counts_the_episodes_as_they_end(tiny):
+def test_progress_counts_the_episode_turns_and_the_episodes_ended(tiny):
     _, tok = tiny
     engine = Scripted(tok, lambda turn, _: "x</think><answer>A</answer>")
     specs = [EpisodeSpec(Steps(), seed=s, group_id=s) for s in (0, 1, 2, 3, 4, 99)]
-    ended = []
-    result = Collector(engine, tok, RolloutConfig(max_turns=5)).collect(specs, progress=ended.append)
-    # turn 1 ends seeds 0 and 3 and the failed reset; turn 2 seeds 1 and 4; turn 3 seed 2; nothing after
-    assert ended == [3, 2, 1]
+    calls = []
+    result = Collector(engine, tok, RolloutConfig(max_turns=5)).collect(specs, progress=lambda *a: calls.append(a))
+    # turn 1 ends seeds 0 and 3 and the failed reset (3 x 5 turns) and the other 3 played 1 each; turn 2 ends seeds
+    # 1 and 4 (5 x 5, seed 2 at 2); turn 3 seed 2 (6 x 5 = every turn of the budget); nothing after
+    assert calls == [(3, 18), (5, 27), (6, 30)]
     assert [ep.turns for ep in result.episodes] == [1, 2, 3, 1, 2, 0]
-    # an episode the turn budget cuts ends with the rollout
-    ended = []
-    Collector(engine, tok, RolloutConfig(max_turns=2)).collect(specs[:3], progress=ended.append)
-    assert ended == [1, 2] and sum(ended) == 3
+    # an episode the turn budget cuts ends at the last turn: every turn of the budget is counted once, then
+    calls = []
+    Collector(engine, tok, RolloutConfig(max_turns=2)).collect(specs[:3], progress=lambda *a: calls.append(a))
+    assert calls == [(1, 4), (3, 6)]
 
 
 class Exploding(Env):
